@@ -183,17 +183,37 @@ def _fast_digest(path: Path) -> str:
 
 
 def _entry_is_complete(entry: Path) -> bool:
+    """True when every file listed in COMPLETE.json is present with its size and digest.
+
+    Hashing 540 MB on every load would cost a second, so a successful full check is remembered in
+    VERIFIED.json as each file's (size, mtime_ns, inode); an unchanged file is not rehashed. Any
+    write to a file (truncation, a flipped byte) changes its mtime and forces the full check.
+    """
     marker = entry / "COMPLETE.json"
     if not marker.is_file():
         return False
     try:
         files = read_json(marker)["files"]
+        try:
+            verified = read_json(entry / "VERIFIED.json")
+        except (OSError, ValueError):
+            verified = {}
+        stamps = {}
         for name, meta in files.items():
             p = entry / name
-            if not p.is_file() or p.stat().st_size != meta["size"] or _fast_digest(p) != meta["xxh3"]:
+            if not p.is_file():
+                return False
+            st = p.stat()
+            if st.st_size != meta["size"]:
+                return False
+            stamps[name] = [st.st_size, st.st_mtime_ns, st.st_ino]
+            if verified.get(name) != stamps[name] and _fast_digest(p) != meta["xxh3"]:
                 return False
     except (OSError, KeyError, ValueError, TypeError):
         return False
+    if stamps != verified:
+        with contextlib.suppress(OSError):
+            atomic_write_json(entry / "VERIFIED.json", stamps)
     return True
 
 
@@ -247,6 +267,7 @@ def _build_entry(gguf: Path, entry: Path) -> None:
         tokenizer.save_pretrained(tmp)
         files = {p.name: {"size": p.stat().st_size, "xxh3": _fast_digest(p)} for p in sorted(tmp.iterdir()) if p.is_file()}
         atomic_write_json(tmp / "COMPLETE.json", {"source": str(gguf), "files": files})
+        tmp.chmod(0o755)
         os.replace(tmp, entry)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -1,0 +1,237 @@
+"""Read conversations from JSONL, JSON, Parquet files and Hugging Face datasets, and check them.
+
+Every record becomes either a `Conversation` (an id and a list of {role, content} messages with
+roles system/user/assistant) or a `Skip` (a reason from REASONS and where it came from, `file:line`).
+Nothing here raises on bad data: a bad record is a Skip, a bad file is one Skip for the file, so that
+`eyas prepare` can report every problem at once and never end in a traceback.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable, Iterator
+
+# reason -> what the user reads in prepare.json
+REASONS = {
+    "unreadable_file": "the file could not be opened or parsed",
+    "invalid_utf8": "the line is not valid UTF-8",
+    "malformed_json": "the line is not valid JSON",
+    "not_an_object": "the record is not a JSON object",
+    "unknown_format": "no conversations/messages/prompt field (or not the --format asked for)",
+    "missing_field": "a message lacks its role or content",
+    "unknown_role": "a role other than system/user/assistant (or ShareGPT human/gpt/system)",
+    "non_string_content": "a message content is not a string",
+    "empty_content": "a message content is empty or whitespace only",
+    "two_user_turns": "two user turns in a row",
+    "bad_turn_order": "turns do not alternate user/assistant after an optional leading system prompt",
+    "no_assistant_turn": "the conversation does not end with an assistant turn (and nothing regenerates it)",
+    "duplicate_id": "the id was already seen in the input",
+    "template_mismatch": "the chat template does not render this conversation as a sequence of prefixes",
+    "too_long": "longer than data.max_length tokens (data.on_long=drop)",
+    "no_assistant_tokens": "no assistant token left inside data.max_length after truncation",
+    "regeneration_failed": "the target (or endpoint) produced no response for this prompt",
+}
+
+_ROLE_MAP = {
+    "sharegpt": {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
+                 "chatgpt": "assistant", "bard": "assistant", "bing": "assistant", "system": "system"},
+    "openai": {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"},
+}
+FORMATS = ("auto", "sharegpt", "openai", "prompt-response")
+_ID_KEYS = ("id", "sample_id", "conversation_id", "question_id", "task_id")
+
+
+@dataclass
+class Conversation:
+    sample_id: str
+    messages: list[dict]  # [{"role": "system"|"user"|"assistant", "content": str}]
+    where: str  # file:line (or dataset:index) of the record
+
+
+@dataclass
+class Skip:
+    reason: str
+    where: str
+    detail: str = ""
+
+
+def read_sources(sources: Iterable[str], fmt: str = "auto", need_assistant: bool = True) -> Iterator[Conversation | Skip]:
+    """All records of all sources in order; duplicate ids (across sources too) are skipped."""
+    seen: set[str] = set()
+    for source in sources:
+        for item in _read_one(source, fmt, need_assistant):
+            if isinstance(item, Conversation):
+                if item.sample_id in seen:
+                    yield Skip("duplicate_id", item.where, item.sample_id)
+                    continue
+                seen.add(item.sample_id)
+            yield item
+
+
+def _read_one(source: str, fmt: str, need_assistant: bool) -> Iterator[Conversation | Skip]:
+    path = Path(source).expanduser()
+    if not path.exists() and not _looks_like_hub_name(source):
+        yield Skip("unreadable_file", source, "no such file")
+        return
+    if path.is_dir() or not path.exists():
+        yield from _read_hf(source, fmt, need_assistant)
+        return
+    stem = path.name
+    suffix = "".join(path.suffixes[-2:]) if path.suffix == ".gz" else path.suffix
+    if suffix in (".jsonl", ".jsonl.gz"):
+        yield from _read_jsonl(path, stem, fmt, need_assistant)
+    elif suffix == ".json":
+        yield from _read_json(path, stem, fmt, need_assistant)
+    elif suffix == ".parquet":
+        yield from _read_parquet(path, stem, fmt, need_assistant)
+    else:
+        yield Skip("unreadable_file", source, f"unknown file type {path.suffix!r} (use .jsonl, .json or .parquet)")
+
+
+def _looks_like_hub_name(source: str) -> bool:
+    return source.count("/") == 1 and not source.startswith((".", "/", "~")) and " " not in source
+
+
+def _read_jsonl(path: Path, stem: str, fmt: str, need_assistant: bool) -> Iterator[Conversation | Skip]:
+    import gzip
+
+    try:
+        f = gzip.open(path, "rb") if path.suffix == ".gz" else open(path, "rb")
+    except OSError as e:
+        yield Skip("unreadable_file", str(path), e.strerror or type(e).__name__)
+        return
+    with f:
+        for lineno, raw in enumerate(f, 1):
+            where = f"{path}:{lineno}"
+            try:
+                text = raw.decode("utf-8")
+            except UnicodeDecodeError:
+                yield Skip("invalid_utf8", where)
+                continue
+            if not text.strip():
+                continue
+            try:
+                record = json.loads(text)
+            except json.JSONDecodeError as e:
+                yield Skip("malformed_json", where, e.msg)
+                continue
+            yield parse_record(record, f"{stem}:{lineno}", where, fmt, need_assistant)
+
+
+def _read_json(path: Path, stem: str, fmt: str, need_assistant: bool) -> Iterator[Conversation | Skip]:
+    try:
+        doc = json.loads(path.read_bytes().decode("utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        yield Skip("unreadable_file", str(path), type(e).__name__)
+        return
+    if isinstance(doc, dict):  # {"data": [...]} and similar wrappers
+        lists = [v for v in doc.values() if isinstance(v, list)]
+        doc = lists[0] if len(lists) == 1 else [doc]
+    if not isinstance(doc, list):
+        yield Skip("unreadable_file", str(path), "expected a list of records")
+        return
+    for i, record in enumerate(doc):
+        yield parse_record(record, f"{stem}:{i}", f"{path}:record {i}", fmt, need_assistant)
+
+
+def _read_parquet(path: Path, stem: str, fmt: str, need_assistant: bool) -> Iterator[Conversation | Skip]:
+    import pyarrow.parquet as pq
+
+    try:
+        pf = pq.ParquetFile(path)
+    except Exception as e:  # noqa: BLE001 -- pyarrow raises several types for a bad file
+        yield Skip("unreadable_file", str(path), type(e).__name__)
+        return
+    i = 0
+    for batch in pf.iter_batches(batch_size=4096):
+        for record in batch.to_pylist():
+            yield parse_record(record, f"{stem}:{i}", f"{path}:row {i}", fmt, need_assistant)
+            i += 1
+
+
+def _read_hf(name: str, fmt: str, need_assistant: bool) -> Iterator[Conversation | Skip]:
+    """A hub dataset name (`org/name`, optionally `org/name:split`) or a `save_to_disk` directory."""
+    try:
+        import datasets
+
+        if Path(name).is_dir():
+            ds = datasets.load_from_disk(name)
+        else:
+            repo, _, split = name.partition(":")
+            ds = datasets.load_dataset(repo, split=split or "train")
+        if isinstance(ds, datasets.DatasetDict):
+            ds = ds["train"] if "train" in ds else ds[next(iter(ds))]
+    except Exception as e:  # noqa: BLE001 -- offline, missing, private: all one skip with the reason
+        first = str(e).strip().splitlines()[0][:160] if str(e).strip() else ""
+        yield Skip("unreadable_file", name, f"{type(e).__name__}: {first}")
+        return
+    stem = name.rstrip("/").split("/")[-1]
+    for i, record in enumerate(ds):
+        yield parse_record(record, f"{stem}:{i}", f"{name}:row {i}", fmt, need_assistant)
+
+
+# ---------------------------------------------------------------- one record
+
+def parse_record(record: Any, default_id: str, where: str, fmt: str = "auto",
+                 need_assistant: bool = True) -> Conversation | Skip:
+    """Normalise one record to a Conversation, or say why it cannot be used."""
+    if not isinstance(record, dict):
+        return Skip("not_an_object", where)
+    kind = _detect(record) if fmt == "auto" else fmt
+    if kind is None or (fmt != "auto" and _detect(record) != fmt):
+        return Skip("unknown_format", where)
+    sample_id = next((str(record[k]) for k in _ID_KEYS if record.get(k) not in (None, "")), default_id)
+    if kind == "prompt-response":
+        messages = [{"role": "user", "content": record.get("prompt")}]
+        if "response" in record or "completion" in record:
+            messages.append({"role": "assistant", "content": record.get("response", record.get("completion"))})
+        if isinstance(record.get("system"), str):
+            messages.insert(0, {"role": "system", "content": record["system"]})
+        return _check(sample_id, messages, where, need_assistant)
+    raw = record["conversations"] if kind == "sharegpt" else record["messages"]
+    if not isinstance(raw, list):
+        return Skip("unknown_format", where, "conversation field is not a list")
+    messages = []
+    for m in raw:
+        if not isinstance(m, dict):
+            return Skip("missing_field", where, "a message is not an object")
+        role = m.get("from", m.get("role"))
+        content = m.get("value", m.get("content"))
+        if role is None or "value" not in m and "content" not in m:
+            return Skip("missing_field", where)
+        if not isinstance(role, str) or role.lower() not in _ROLE_MAP[kind]:
+            return Skip("unknown_role", where, str(role)[:40])
+        messages.append({"role": _ROLE_MAP[kind][role.lower()], "content": content})
+    return _check(sample_id, messages, where, need_assistant)
+
+
+def _detect(record: dict) -> str | None:
+    if "conversations" in record:
+        return "sharegpt"
+    if "messages" in record:
+        return "openai"
+    if "prompt" in record:
+        return "prompt-response"
+    return None
+
+
+def _check(sample_id: str, messages: list[dict], where: str, need_assistant: bool) -> Conversation | Skip:
+    for m in messages:
+        if not isinstance(m["content"], str):
+            return Skip("non_string_content", where, type(m["content"]).__name__)
+        if not m["content"].strip():
+            return Skip("empty_content", where, m["role"])
+    body = messages[1:] if messages and messages[0]["role"] == "system" else messages
+    if not body:
+        return Skip("no_assistant_turn", where)
+    for i, m in enumerate(body):
+        expected = "user" if i % 2 == 0 else "assistant"
+        if m["role"] != expected:
+            if m["role"] == "user" and i > 0 and body[i - 1]["role"] == "user":
+                return Skip("two_user_turns", where)
+            return Skip("bad_turn_order", where, f"turn {i} is {m['role']}, expected {expected}")
+    if need_assistant and body[-1]["role"] != "assistant":
+        return Skip("no_assistant_turn", where)
+    return Conversation(sample_id, [dict(m) for m in messages], where)

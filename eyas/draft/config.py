@@ -1,0 +1,89 @@
+"""DraftConfig: the shape of an EAGLE-3 draft, derived from the target's Hugging Face config."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+@dataclass
+class DraftConfig:
+    hidden_size: int  # H, the target's hidden size
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict | None  # None, or {"rope_type": "linear"|"llama3", ...} as in HF configs
+    max_position_embeddings: int
+    vocab_size: int  # V, the target's vocabulary
+    draft_vocab_size: int  # Vd <= V
+    num_aux_layers: int = 3  # A: fc maps A*H -> H
+    hidden_act: str = "silu"
+
+    def __post_init__(self):
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(f"num_attention_heads={self.num_attention_heads} is not a multiple of "
+                             f"num_key_value_heads={self.num_key_value_heads}")
+        if not 1 <= self.draft_vocab_size <= self.vocab_size:
+            raise ValueError(f"draft_vocab_size={self.draft_vocab_size} must lie in 1..vocab_size={self.vocab_size}")
+        if self.num_aux_layers < 1:
+            raise ValueError(f"num_aux_layers={self.num_aux_layers} must be >= 1")
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim={self.head_dim} must be even for rotary embeddings")
+        if self.hidden_act not in ("silu", "gelu", "gelu_pytorch_tanh"):
+            raise ValueError(f"hidden_act={self.hidden_act!r} is not supported (silu, gelu, gelu_pytorch_tanh)")
+        if self.rope_scaling is not None:
+            kind = self.rope_scaling.get("rope_type", self.rope_scaling.get("type", "default"))
+            if kind not in SUPPORTED_ROPE_TYPES:
+                raise ValueError(f"rope_scaling type {kind!r} is not supported by the draft; "
+                                 f"supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "DraftConfig":
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in names})
+
+    @classmethod
+    def from_target_config(cls, hf: dict[str, Any], draft_vocab_size: int | None = None,
+                           num_aux_layers: int = 3) -> "DraftConfig":
+        """Build from a target's HF config dict (`model.config.to_dict()` or config.json).
+
+        Reads rope settings from both the transformers<5 layout (`rope_theta`, `rope_scaling`) and the
+        transformers>=5 layout (`rope_parameters`). Multimodal configs use their `text_config`.
+        """
+        if "text_config" in hf and "hidden_size" not in hf:
+            hf = hf["text_config"]
+        hidden = int(hf["hidden_size"])
+        heads = int(hf["num_attention_heads"])
+        rope = dict(hf.get("rope_parameters") or {})
+        theta = float(hf.get("rope_theta") or rope.get("rope_theta") or 10000.0)
+        scaling = hf.get("rope_scaling") or rope or None
+        if scaling is not None:
+            scaling = {k: v for k, v in scaling.items() if k != "rope_theta"}
+            kind = scaling.get("rope_type", scaling.get("type", "default"))
+            if kind == "default":
+                scaling = None
+        vocab = int(hf["vocab_size"])
+        return cls(
+            hidden_size=hidden,
+            num_attention_heads=heads,
+            num_key_value_heads=int(hf.get("num_key_value_heads") or heads),
+            head_dim=int(hf.get("head_dim") or hidden // heads),
+            intermediate_size=int(hf["intermediate_size"]),
+            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+            rope_theta=theta,
+            rope_scaling=scaling,
+            max_position_embeddings=int(hf.get("max_position_embeddings", 4096)),
+            vocab_size=vocab,
+            draft_vocab_size=int(draft_vocab_size or vocab),
+            num_aux_layers=num_aux_layers,
+            hidden_act=str(hf.get("hidden_act", "silu")),
+        )

@@ -1,0 +1,73 @@
+import pytest
+
+from eyas.config import ConfigError, PRESETS, load_config
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_presets_resolve(name):
+    cfg = load_config(name)
+    assert cfg.name == name
+    assert cfg.train.ttt >= 1 and cfg.data.max_length >= 8
+
+
+def test_overrides_are_type_checked():
+    cfg = load_config("tiny", ["train.lr=3e-4", "train.steps=7", "data.strict=true",
+                               "target.aux_layers=1,2,3", "eval.tree=none", "data.data=a.jsonl,b.jsonl"])
+    assert cfg.train.lr == 3e-4 and isinstance(cfg.train.lr, float)
+    assert cfg.train.steps == 7 and cfg.data.strict is True
+    assert cfg.target.aux_layers == [1, 2, 3]
+    assert cfg.eval.tree is None
+    assert cfg.data.data == ["a.jsonl", "b.jsonl"]
+
+
+@pytest.mark.parametrize("item, words", [
+    ("train.nope=1", ["unknown key train.nope", "valid keys:", "lr", "ttt"]),
+    ("bogus.lr=1", ["unknown config section 'bogus'", "train"]),
+    ("train.steps=ten", ["train.steps", "expected an integer", "'ten'"]),
+    ("train.lr=fast", ["train.lr", "expected a number"]),
+    ("data.strict=maybe", ["data.strict", "true or false"]),
+    ("data.on_long=cut", ["data.on_long='cut'", "drop", "truncate"]),
+    ("capture.dtype=int4", ["capture.dtype", "fp8"]),
+    ("target.aux_layers=3,2", ["distinct and ascending"]),
+    ("train.lr", ["section.key=value"]),
+])
+def test_bad_overrides_give_one_line_errors(item, words):
+    with pytest.raises(ConfigError) as e:
+        load_config("tiny", [item])
+    msg = str(e.value)
+    assert "\n" not in msg
+    for w in words:
+        assert w in msg, msg
+
+
+def test_yaml_extends_a_preset(tmp_path):
+    p = tmp_path / "my.yaml"
+    p.write_text("preset: tiny\nname: mine\ntrain:\n  steps: 3\n  lr: 0.002\neval:\n  steps: [3, 5]\n")
+    cfg = load_config(str(p), ["train.steps=4"])
+    assert cfg.name == "mine" and cfg.train.steps == 4 and cfg.train.lr == 0.002
+    assert cfg.eval.steps == [3, 5]
+    assert cfg.target.spec == "tiny"  # inherited from the preset
+
+
+def test_yaml_errors_name_the_key(tmp_path):
+    p = tmp_path / "bad.yaml"
+    p.write_text("train:\n  step: 3\n")
+    with pytest.raises(ConfigError, match="unknown key train.step; valid keys: steps"):
+        load_config(str(p))
+    with pytest.raises(ConfigError, match="neither a preset"):
+        load_config(str(tmp_path / "missing.yaml"))
+    p.write_text("train: [1, 2\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(str(p))
+
+
+def test_resolved_config_round_trips(tmp_path):
+    import yaml
+
+    from eyas.common import save_config
+    from eyas.config import config_from_dict
+
+    cfg = load_config("demo", ["train.steps=5"])
+    save_config(cfg, tmp_path / "config.yaml")
+    again = config_from_dict(yaml.safe_load((tmp_path / "config.yaml").read_text()))
+    assert again == cfg
