@@ -268,6 +268,9 @@ def _build_entry(gguf: Path, entry: Path) -> None:
         files = {p.name: {"size": p.stat().st_size, "xxh3": _fast_digest(p)} for p in sorted(tmp.iterdir()) if p.is_file()}
         atomic_write_json(tmp / "COMPLETE.json", {"source": str(gguf), "files": files})
         tmp.chmod(0o755)
+        # the files were just hashed: remember them as verified so the next load does not rehash
+        stamps = {n: [(tmp / n).stat().st_size, (tmp / n).stat().st_mtime_ns, (tmp / n).stat().st_ino] for n in files}
+        atomic_write_json(tmp / "VERIFIED.json", stamps)
         os.replace(tmp, entry)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
