@@ -82,6 +82,8 @@ class CaptureConfig:
     dtype: str = "auto"  # auto (bf16 on CUDA, fp32 on CPU) | fp32 | bf16 | fp8
     token_budget: int = 0  # tokens per forward pass; 0 = derived from free memory
     shard_tokens: int = 65536  # tokens per shard file
+    ram_budget_gb: float = 0.0  # CPU: memory for activations when token_budget is 0; 0 = a quarter of free RAM
+    inject_oom_tokens: int = 0  # testing: forward passes over this many (padded) tokens raise OutOfMemoryError
 
     def __post_init__(self):
         _one_of("capture.mode", self.mode, ("store", "online"))
@@ -147,10 +149,13 @@ class EvalConfig:
 @dataclass
 class ExportConfig:
     formats: list[str] = field(default_factory=lambda: ["sglang", "vllm", "speculators"])
+    dtype: str = "bf16"  # float weights in the serving dtype: bf16 | fp16 | fp32
+    embed_tokens: bool = False  # also write the target's embedding (engines take it from the target)
 
     def __post_init__(self):
         for f in self.formats:
             _one_of("export.formats", f, ("sglang", "vllm", "speculators"))
+        _one_of("export.dtype", self.dtype, ("bf16", "fp16", "fp32"))
 
 
 @dataclass

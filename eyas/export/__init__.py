@@ -1,1 +1,11 @@
-"""eyas.export"""
+"""Export a trained draft for SGLang, vLLM and speculators, and read any draft back (docs/FORMATS.md).
+
+    export(run_or_ckpt, out_dir, formats=("sglang", "vllm", "speculators")) -> {format: Path}
+    load_draft(path, embed_tokens=None) -> (Eagle3Draft, meta)
+"""
+
+from eyas.export.configs import FORMATS
+from eyas.export.load import load_draft, resolve_draft_dir
+from eyas.export.writer import check_exportable, export
+
+__all__ = ["FORMATS", "export", "load_draft", "resolve_draft_dir", "check_exportable"]

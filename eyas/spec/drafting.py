@@ -23,6 +23,7 @@ class Proposal:
     tokens: list[int]  # target ids, one per node
     parents: list[int]  # index of the parent node, -1 = root
     depths: list[int]  # 1 for children of the root
+    num_fed: int = 0  # tokens the draft was fed to build it
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -39,7 +40,7 @@ def draft_chain(draft, cache, hidden, logits, position: int, steps: int) -> tupl
         out = draft(hidden, tok.view(1, 1), torch.tensor([[position + i]], device=tok.device), past_key_values=cache)
         hidden, logits, cache = out.hidden_out[:, -1:], out.logits[0, -1], out.past_key_values
     n = len(tokens)
-    return Proposal(tokens, list(range(-1, n - 1)), list(range(1, n + 1))), cache
+    return Proposal(tokens, list(range(-1, n - 1)), list(range(1, n + 1)), n - 1), cache
 
 
 def draft_tree(draft, cache, hidden, logits, position: int, topk: int, depth: int, total: int):
@@ -99,4 +100,4 @@ def draft_tree(draft, cache, hidden, logits, position: int, topk: int, depth: in
     target_ids = draft.to_target_ids(torch.tensor([pool_ids[p] for p in order], device=device)).tolist()
     parents = [index[pool_parent[p]] if pool_parent[p] >= 0 else -1 for p in order]
     assert all(p < i for i, p in enumerate(parents)), "tree nodes must follow their parents"
-    return Proposal(target_ids, parents, [pool_depth[p] for p in order]), cache
+    return Proposal(target_ids, parents, [pool_depth[p] for p in order], len(slot_of)), cache

@@ -1,0 +1,48 @@
+"""`eyas capture`: the target's hidden states at the EAGLE-3 layers into a packed, checksummed store.
+
+Rerunning the same command resumes after the last committed shard. Under torchrun each rank writes
+its own shards and rank 0 merges the manifest at the end.
+"""
+
+from __future__ import annotations
+
+HELP = "capture the target's hidden states at the aux layers into a packed store"
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("--config", default="demo", help="preset name (tiny, demo, full) or YAML file (default: demo)")
+    parser.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                        help="override a config value, e.g. --set capture.shard_tokens=8192 (repeatable)")
+    parser.add_argument("--target", help="target model: HF dir, hub id, .gguf, smollm2, tiny (default: from config)")
+    parser.add_argument("--data", required=True, metavar="PREPARED_DIR", help="directory written by `eyas prepare`")
+    parser.add_argument("--out", required=True, metavar="STORE", help="store directory (created, or resumed)")
+    parser.add_argument("--layers", help="aux layer ids in the HF hidden_states convention, e.g. 2,15,27 "
+                                         "(default: EAGLE-3's [2, n//2, n-3])")
+    parser.add_argument("--dtype", choices=["auto", "fp32", "bf16", "fp8"], help="storage dtype (default: from config)")
+    parser.add_argument("--token-budget", type=int, help="tokens per forward pass (default: from free memory)")
+    parser.add_argument("--shard-tokens", type=int, help="tokens per shard file")
+    parser.add_argument("--device", help="auto | cpu | cuda | cuda:N")
+
+
+def config_from_args(args):
+    from eyas.config import load_config
+
+    sets = list(args.set)
+    if args.target:
+        sets.append(f"target.spec={args.target}")
+    if args.layers:
+        sets.append(f"target.aux_layers={args.layers}")
+    if args.device:
+        sets.append(f"target.device={args.device}")
+    for flag, key in (("dtype", "dtype"), ("token_budget", "token_budget"), ("shard_tokens", "shard_tokens")):
+        if getattr(args, flag) is not None:
+            sets.append(f"capture.{key}={getattr(args, flag)}")
+    return load_config(args.config, sets)
+
+
+def main(args) -> int:
+    from eyas.store import capture
+
+    cfg = config_from_args(args)
+    summary = capture(cfg, args.data, args.out)
+    return 0 if summary["complete"] else 1

@@ -1,0 +1,27 @@
+"""`eyas gpus`: each GPU's memory and the processes holding it (the table `eyas run` refuses on)."""
+
+from __future__ import annotations
+
+HELP = "list the processes holding memory on each GPU"
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("--gpus", default=None, help="only these device indices, e.g. 0,1 (default: all)")
+
+
+def main(args) -> int:
+    from eyas.gpu import nvml
+
+    if not nvml.available():
+        print(f"eyas gpus: {nvml.why_unavailable()}; there is nothing to list (stages run on the CPU)")
+        return 0
+    devices = [int(d) for d in args.gpus.split(",")] if args.gpus else None
+    for g in nvml.gpus():
+        if devices is None or g.index in devices:
+            print(f"gpu {g.index}: {g.name}, {g.used_mib:.0f} / {g.total_mib:.0f} MiB used")
+    rows = nvml.holders(devices)
+    if rows:
+        print(nvml.format_holders(rows))
+    else:
+        print("no process holds memory on these GPUs")
+    return 0

@@ -1,0 +1,56 @@
+"""`eyas run`: the whole pipeline in one run directory (see eyas/pipeline.py for the stage table)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+HELP = "run the whole pipeline (prepare, regenerate, capture, train, eval, export) in a run directory"
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("config_file", nargs="?", default=None, metavar="CONFIG.yaml",
+                        help="a YAML config (or give --preset)")
+    parser.add_argument("--preset", "--config", dest="preset", default=None,
+                        help="tiny | demo | full, or a YAML file (default: demo)")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                        help="override one config value (repeatable)")
+    parser.add_argument("--run-dir", required=True, help="where every stage writes; rerun to resume or skip")
+    parser.add_argument("--gpus", default=None, help="device indices to use, e.g. 0,1,2,3 (default: all visible)")
+    parser.add_argument("--wait-for-gpus", type=float, default=0.0, metavar="SECONDS",
+                        help="wait this long for other processes to free our GPUs (default: refuse at once)")
+    parser.add_argument("--no-overlap", action="store_true",
+                        help="never run capture and training at once, even with two or more GPUs")
+    parser.add_argument("--stage-timeout", type=float, default=0.0, metavar="SECONDS",
+                        help="end a stage command that runs longer than this (default: no limit)")
+    parser.add_argument("--grace", type=float, default=10.0, metavar="SECONDS",
+                        help="time between SIGTERM and SIGKILL when a stage is ended")
+    parser.add_argument("--release-timeout", type=float, default=120.0, metavar="SECONDS",
+                        help="how long to wait for a stage's GPU memory to be released")
+    parser.add_argument("--quiet", action="store_true", help="do not copy stage output to the terminal")
+
+
+def main(args) -> int:
+    from eyas.common import EyasError
+    from eyas.config import load_config
+    from eyas.pipeline import RunOptions, Terminated, run_pipeline
+
+    if args.config_file and args.preset:
+        raise EyasError("give either CONFIG.yaml or --preset, not both")
+    cfg = load_config(args.config_file or args.preset, args.overrides)
+    opts = RunOptions(gpus=[int(d) for d in args.gpus.split(",") if d.strip()] if args.gpus is not None else None,
+                      wait_for_gpus=args.wait_for_gpus, overlap=not args.no_overlap,
+                      stage_timeout=args.stage_timeout, grace_s=args.grace,
+                      release_timeout_s=args.release_timeout, echo=not args.quiet)
+    run = Path(args.run_dir)
+    try:
+        runner = run_pipeline(cfg, run, opts)
+    except Terminated as e:
+        print(f"eyas run: stopped by {e}; every stage process was ended; rerun the same command to resume")
+        return 128 + e.signum
+    except KeyboardInterrupt:
+        print("eyas run: interrupted; every stage process was ended; rerun the same command to resume")
+        return 130
+    print(f"\neyas run: finished; report: {run / 'report.md'}")
+    for line in runner.summary:
+        print(f"  {line}")
+    return 0

@@ -1,0 +1,45 @@
+"""`eyas verify STORE`: checksums, counts and consistency, then recompute samples with the target.
+
+Exit status 0 when the store is valid, 1 on any mismatch (each printed on its own line).
+"""
+
+from __future__ import annotations
+
+HELP = "check a store's checksums and recompute samples with the target"
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("store", metavar="STORE", help="store directory written by `eyas capture`")
+    parser.add_argument("--target", help="target to recompute with (default: the one the manifest names)")
+    parser.add_argument("--samples", type=int, default=4, help="samples to recompute (0 = files only; default 4)")
+    parser.add_argument("--seed", type=int, default=0, help="which random samples to recompute")
+    parser.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
+
+
+def main(args) -> int:
+    from eyas.store.verify import verify_store
+
+    target = None
+    if args.target or args.device != "auto":
+        from eyas.store.manifest import read_manifest
+        from eyas.target import load_target
+
+        spec = args.target or read_manifest(args.store).get("target_spec")
+        target = load_target(spec, device=args.device, dtype="fp32")
+    report = verify_store(args.store, target=target, num_samples=args.samples, seed=args.seed)
+    print(f"{args.store}: {report['num_shards']} shards, {report['num_samples']:,} samples, "
+          f"{report['num_tokens']:,} tokens, {report['dtype']}, {'complete' if report['complete'] else 'INCOMPLETE'}")
+    if report["layers"]:
+        worst: dict[str, tuple[float, float]] = {}
+        for row in report["layers"]:
+            a, r = worst.get(row["layer"], (0.0, 0.0))
+            worst[row["layer"]] = (max(a, row["max_abs"]), max(r, row["rel"]))
+        samples = len({row["sample"] for row in report["layers"]})
+        print(f"recomputed {samples} sample(s); worst error per layer:")
+        print(f"  {'layer':<10} {'max abs':>10} {'relative':>10}")
+        for layer, (a, r) in worst.items():
+            print(f"  {layer:<10} {a:>10.3e} {r:>10.3e}")
+    for line in report["problems"]:
+        print(f"MISMATCH: {line}")
+    print("OK" if not report["problems"] else f"FAILED: {len(report['problems'])} problem(s)")
+    return 0 if not report["problems"] else 1

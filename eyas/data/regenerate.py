@@ -1,0 +1,165 @@
+"""Regeneration: the target writes the assistant responses it will later be asked to speculate on.
+
+Local mode runs batched generation in this process: prompts sorted by length (little padding),
+left-padded batches, one prefill and then one token per step for the rows still running. Rows that
+hit an end-of-turn token or the token limit leave the batch and its KV cache, so the cost per step
+falls as rows finish. Greedy by default; temperature > 0 samples with a seeded generator.
+
+Results are appended, one JSON line per prompt, to a JSONL file and flushed after every batch, so a
+crash loses at most one batch; a rerun reads the file, skips finished ids and continues. A torn last
+line (the process died mid-write) is cut off before appending.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Callable, Iterable
+
+import torch
+
+from eyas.common import progress
+
+
+# ---------------------------------------------------------------- the results file
+
+def read_results(path: str | Path) -> dict[str, dict]:
+    """id -> result of every complete line (a torn last line or a bad line is ignored)."""
+    out: dict[str, dict] = {}
+    path = Path(path)
+    if not path.is_file():
+        return out
+    with open(path, "rb") as f:
+        for raw in f:
+            if not raw.endswith(b"\n"):
+                break  # torn by a crash mid-write
+            try:
+                rec = json.loads(raw)
+            except (json.JSONDecodeError, UnicodeDecodeError):
+                continue
+            if isinstance(rec, dict) and "id" in rec:
+                out[str(rec["id"])] = rec
+    return out
+
+
+class ResultsFile:
+    """Append-only JSONL of results; safe to reopen after a crash."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        if self.path.is_file():
+            data = self.path.read_bytes()
+            cut = data.rfind(b"\n") + 1
+            if cut != len(data):
+                with open(self.path, "r+b") as f:
+                    f.truncate(cut)
+        self.f = open(self.path, "ab")
+
+    def append(self, records: Iterable[dict]) -> None:
+        data = b"".join(json.dumps(r, ensure_ascii=False).encode() + b"\n" for r in records)
+        self.f.write(data)
+        self.f.flush()
+        os.fsync(self.f.fileno())
+
+    def close(self) -> None:
+        self.f.close()
+
+
+# ---------------------------------------------------------------- batched generation
+
+@torch.inference_mode()
+def generate_batch(model, prompts: list[list[int]], *, max_new_tokens: int, stop_ids: list[int], pad_id: int,
+                   temperature: float = 0.0, generator: torch.Generator | None = None) -> list[dict]:
+    """Generate for left-padded prompts; returns [{tokens, finish: "stop"|"length"}] in input order.
+
+    The stop token is not part of `tokens`.
+    """
+    from transformers import DynamicCache
+
+    device = next(model.parameters()).device
+    num_rows, width = len(prompts), max(len(p) for p in prompts)
+    input_ids = torch.full((num_rows, width), pad_id, dtype=torch.long)  # [B, L]
+    attn = torch.zeros((num_rows, width), dtype=torch.long)  # [B, L]
+    for r, p in enumerate(prompts):
+        input_ids[r, width - len(p):] = torch.tensor(p, dtype=torch.long)
+        attn[r, width - len(p):] = 1
+    input_ids, attn = input_ids.to(device), attn.to(device)
+    positions = (attn.cumsum(-1) - 1).clamp(min=0)  # [B, L]; left padding shifts the real positions
+    cache = DynamicCache(config=model.config)
+    logits = model(input_ids=input_ids, attention_mask=attn, position_ids=positions, past_key_values=cache,
+                   use_cache=True, logits_to_keep=1).logits[:, -1]  # [B, V]
+    next_pos = positions[:, -1] + 1  # [b]
+    rows = list(range(num_rows))  # original row of each live row
+    out = [{"tokens": [], "finish": "length"} for _ in range(num_rows)]
+    stop = torch.tensor(stop_ids, dtype=torch.long, device=device)
+    for step in range(max_new_tokens):
+        if temperature > 0:
+            probs = torch.softmax(logits.float() / temperature, dim=-1)
+            tok = torch.multinomial(probs.cpu(), 1, generator=generator).squeeze(1).to(device)  # [b]
+        else:
+            tok = logits.argmax(-1)  # [b]
+        done = torch.isin(tok, stop)  # [b]
+        for r, t, d in zip(rows, tok.tolist(), done.tolist()):
+            if d:
+                out[r]["finish"] = "stop"
+            else:
+                out[r]["tokens"].append(t)
+        if step == max_new_tokens - 1 or bool(done.all()):
+            break
+        if bool(done.any()):
+            keep = (~done).nonzero().squeeze(1)  # [b']
+            cache.batch_select_indices(keep)
+            rows = [rows[i] for i in keep.tolist()]
+            tok, attn, next_pos = tok[keep], attn[keep], next_pos[keep]
+        attn = torch.cat([attn, attn.new_ones(attn.shape[0], 1)], dim=1)
+        logits = model(input_ids=tok[:, None], attention_mask=attn, position_ids=next_pos[:, None],
+                       past_key_values=cache, use_cache=True).logits[:, -1]
+        next_pos = next_pos + 1
+    return out
+
+
+def regenerate_local(target, prompts: list[dict], out_path: str | Path, *, template, max_new_tokens: int,
+                     temperature: float = 0.0, batch_size: int = 16, seed: int = 0,
+                     on_batch: Callable[[int], None] | None = None) -> dict[str, dict]:
+    """Generate a response for each {id, messages} prompt not yet in `out_path`; returns all results.
+
+    `template` is a ChatTemplate (its prompt_ids() is the exact inference prompt).
+    """
+    done = read_results(out_path)
+    todo = [p for p in prompts if p["id"] not in done]
+    if not todo:
+        return done
+    tok = target.tokenizer
+    pad_id = tok.pad_token_id if tok.pad_token_id is not None else template.stop_ids[0]
+    encoded = [(p, template.prompt_ids(p["messages"])) for p in todo]
+    encoded.sort(key=lambda e: len(e[1]))  # similar lengths share a batch: little padding
+    generator = torch.Generator().manual_seed(seed)
+    sink = ResultsFile(out_path)
+    num_tokens, t0 = 0, time.perf_counter()
+    bar = progress(total=len(prompts), initial=len(prompts) - len(todo), desc="regenerate", unit="sample")
+    try:
+        for start in range(0, len(encoded), batch_size):
+            chunk = encoded[start:start + batch_size]
+            results = generate_batch(target.model, [ids for _, ids in chunk], max_new_tokens=max_new_tokens,
+                                     stop_ids=template.stop_ids, pad_id=pad_id, temperature=temperature,
+                                     generator=generator)
+            records = []
+            for (p, ids), res in zip(chunk, results):
+                text = tok.decode(res["tokens"], skip_special_tokens=True)
+                records.append({"id": p["id"], "response": text, "num_prompt_tokens": len(ids),
+                                "num_tokens": len(res["tokens"]), "finish": res["finish"]})
+                num_tokens += len(res["tokens"])
+            sink.append(records)
+            done.update({r["id"]: r for r in records})
+            elapsed = time.perf_counter() - t0
+            bar.update(len(chunk))
+            bar.set_postfix_str(f"{num_tokens / elapsed:.1f} tok/s")
+            if on_batch is not None:
+                on_batch(len(done))
+    finally:
+        bar.close()
+        sink.close()
+    return done

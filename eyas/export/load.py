@@ -1,0 +1,211 @@
+"""`load_draft`: read any draft eyas meets into an `Eagle3Draft` plus what it was trained for.
+
+Accepted: a run directory (follows `latest`, also `RUN/train/latest`), a checkpoint step directory
+(`draft.json` + `model.safetensors`), an export of any of the three kinds (SGLang, vLLM, speculators),
+and a research checkpoint as EAGLE's and SpecForge's trainers write it (`config.json` with a flat
+Llama config and `midlayer.*` weights in `model.safetensors` or `pytorch_model.bin`). Weight names go
+through the one key map in `eyas.export.keys`.
+
+Aux layer ids in `meta` are always in the Hugging Face `output_hidden_states` convention
+(REFERENCE.md section 1), whatever convention the source wrote.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from eyas.common import EyasError, read_json
+from eyas.export.keys import EMBED, from_foreign
+
+# flags of the speculators format that change the computation; eyas's draft has them all off
+SPECULATORS_OFF_FLAGS = ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output")
+
+
+def resolve_draft_dir(path: str | Path) -> Path:
+    """The directory that holds the draft: follows run dirs' `latest` links."""
+    p = Path(path).expanduser()
+    if not p.exists():
+        raise EyasError(f"{path}: no such file or directory; pass a run dir, a step dir or an export dir")
+    if p.is_file():
+        p = p.parent
+    for link in (p / "latest", p / "train" / "latest"):
+        if link.exists():
+            return link.resolve()
+    if not (p / "draft.json").is_file() and not (p / "config.json").is_file():
+        steps = sorted(d for d in p.glob("step-*") if (d / "draft.json").is_file())
+        if steps:
+            return steps[-1]
+        raise EyasError(f"{p}: neither a run dir (no latest link, no step-* dirs), a checkpoint (no draft.json) "
+                        f"nor an export (no config.json)")
+    return p
+
+
+def _read_weights(d: Path) -> dict:
+    import torch
+    from safetensors.torch import load_file
+
+    if (d / "model.safetensors").is_file():
+        return load_file(d / "model.safetensors")
+    if (d / "pytorch_model.bin").is_file():
+        return torch.load(d / "pytorch_model.bin", map_location="cpu", weights_only=True)
+    files = sorted(d.glob("*.safetensors"))
+    if len(files) == 1:
+        return load_file(files[0])
+    raise EyasError(f"{d}: expected one weights file (model.safetensors or pytorch_model.bin), found "
+                    f"{[f.name for f in files] or 'none'}")
+
+
+def _num_aux(state: dict, hidden: int, source: str) -> int:
+    fc_in = state["fc.weight"].shape[1]
+    if fc_in % hidden:
+        raise EyasError(f"{source}: fc.weight has {fc_in} inputs, not a multiple of hidden_size {hidden}")
+    return fc_in // hidden
+
+
+def _target_facts(dj: dict) -> dict:
+    """num_layers and architectures of the target, from draft.json, its store's manifest or the target dir."""
+    cfg = dict(dj.get("target_config") or {})
+    facts = {"num_layers": dj.get("target_num_layers") or dj.get("num_layers") or cfg.get("num_hidden_layers"),
+             "architectures": dj.get("target_architectures") or cfg.get("architectures")}
+    sources = []
+    if dj.get("store"):
+        sources.append(Path(dj["store"]) / "manifest.json")
+    if dj.get("target_spec"):
+        sources.append(Path(str(dj["target_spec"])).expanduser() / "config.json")
+    for src in sources:
+        if facts["num_layers"] and facts["architectures"]:
+            break
+        try:
+            doc = read_json(src)
+        except (OSError, ValueError):
+            continue
+        tc = doc.get("target_config", doc)  # a store manifest nests the HF config; a config.json is one
+        facts["num_layers"] = facts["num_layers"] or doc.get("num_layers") or tc.get("num_hidden_layers")
+        facts["architectures"] = facts["architectures"] or tc.get("architectures")
+    return facts
+
+
+def _meta_from_checkpoint(d: Path) -> tuple[dict, dict]:
+    dj = read_json(d / "draft.json")
+    if "draft_config" not in dj:
+        raise EyasError(f"{d / 'draft.json'}: no draft_config; the checkpoint is incomplete or not eyas's")
+    facts = _target_facts(dj)
+    meta = {"kind": "checkpoint", "aux_layers": dj.get("aux_layers"), "target": dj.get("target"),
+            "target_spec": dj.get("target_spec"), "features": dj.get("features", "fused"), "ttt": dj.get("ttt"),
+            "num_layers": facts["num_layers"], "target_architectures": facts["architectures"],
+            "store": dj.get("store")}
+    return dj["draft_config"], meta
+
+
+def _aux_from_flat(cfg: dict, source: str) -> list[int] | None:
+    """HF ids from a flat config: the top-level list (vLLM, HF convention) or eagle_config's (SGLang, HF - 1)."""
+    top = cfg.get("eagle_aux_hidden_state_layer_ids")
+    sgl = (cfg.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    from_sgl = [int(i) + 1 for i in sgl] if sgl else None
+    if top and from_sgl and list(top) != from_sgl:
+        raise EyasError(f"{source}: the top-level eagle_aux_hidden_state_layer_ids {list(top)} (HF convention) and "
+                        f"eagle_config's {list(sgl)} (SGLang convention, HF - 1) name different layers")
+    return list(top) if top else from_sgl
+
+
+def _meta_from_export(d: Path, cfg: dict, state: dict) -> tuple[dict, dict]:
+    from eyas.draft import DraftConfig
+
+    source = str(d / "config.json")
+    speculators = "speculators_model_type" in cfg
+    if speculators:
+        if cfg["speculators_model_type"] != "eagle3":
+            raise EyasError(f"{source}: speculators model type {cfg['speculators_model_type']!r} is not eagle3")
+        on = [f for f in SPECULATORS_OFF_FLAGS if cfg.get(f, f == "norm_before_residual")]
+        if on:  # vLLM treats a missing norm_before_residual as true
+            raise EyasError(f"{source}: {on} set; eyas's EAGLE-3 draft supports only the plain layout (all false)")
+        layer_cfg = dict(cfg["transformer_layer_config"])
+        aux = cfg.get("eagle_aux_hidden_state_layer_ids")
+        verifier = (cfg.get("speculators_config") or {}).get("verifier") or {}
+        target_spec, archs = verifier.get("name_or_path"), verifier.get("architectures")
+    else:
+        layer_cfg = cfg
+        aux = _aux_from_flat(cfg, source)
+        target_spec, archs = None, None
+    hidden = int(layer_cfg["hidden_size"])
+    if int(cfg.get("target_hidden_size") or hidden) != hidden:
+        raise EyasError(f"{source}: target_hidden_size {cfg['target_hidden_size']} != draft hidden_size {hidden}; "
+                        f"eyas drafts use the target's hidden size")
+    if int(layer_cfg.get("num_hidden_layers", 1)) != 1:
+        raise EyasError(f"{source}: {layer_cfg['num_hidden_layers']} draft layers; eyas drafts have exactly one")
+    vocab = int(layer_cfg["vocab_size"])
+    draft_cfg = DraftConfig.from_target_config(
+        layer_cfg, draft_vocab_size=int(cfg.get("draft_vocab_size") or vocab),
+        num_aux_layers=_num_aux(state, hidden, source)).to_dict()
+    meta = {"kind": "speculators" if speculators else "flat", "aux_layers": list(aux) if aux else None,
+            "target": None, "target_spec": target_spec, "features": "fused", "ttt": None, "num_layers": None,
+            "target_architectures": archs, "store": None}
+    side = d / "eyas.json"  # written by eyas's exporter next to config.json: the exact draft config and target
+    if side.is_file():
+        ej = read_json(side)
+        if meta["aux_layers"] is not None and list(ej.get("aux_layers") or []) != meta["aux_layers"]:
+            raise EyasError(f"{d}: config.json names aux layers {meta['aux_layers']} (HF convention) but eyas.json "
+                            f"{ej.get('aux_layers')}; one of them was edited")
+        draft_cfg = ej.get("draft_config", draft_cfg)
+        meta.update(kind=ej.get("format", meta["kind"]), aux_layers=ej.get("aux_layers"), target=ej.get("target"),
+                    target_spec=ej.get("target_spec", target_spec), features=ej.get("features", "fused"),
+                    ttt=ej.get("ttt"), num_layers=ej.get("target_num_layers"),
+                    target_architectures=ej.get("target_architectures", archs))
+    return draft_cfg, meta
+
+
+def load_draft(path: str | Path, embed_tokens=None):
+    """(Eagle3Draft in fp32 on CPU, eval mode; meta dict). See the module doc for what `path` may be.
+
+    meta: kind, path, aux_layers (HF ids or None if the source does not say), target (identity dict or
+    None for foreign checkpoints), target_spec, features, ttt, num_layers, target_architectures,
+    has_embed, draft_config. Without an embedding in the file and without `embed_tokens` (the
+    target's [V, H] embedding), the draft's embedding is NaN so that forgetting it cannot go unnoticed.
+    """
+    import torch
+
+    from eyas.draft import DraftConfig, Eagle3Draft
+
+    d = resolve_draft_dir(path)
+    try:
+        state = from_foreign(_read_weights(d), str(d))
+    except ValueError as e:
+        raise EyasError(str(e)) from None
+    if (d / "draft.json").is_file():
+        draft_cfg, meta = _meta_from_checkpoint(d)
+    else:
+        try:
+            cfg = json.loads((d / "config.json").read_text())
+        except ValueError as e:
+            raise EyasError(f"{d / 'config.json'}: not valid JSON ({e})") from None
+        draft_cfg, meta = _meta_from_export(d, cfg, state)
+    try:
+        dc = DraftConfig.from_dict(draft_cfg)
+    except (TypeError, ValueError) as e:
+        raise EyasError(f"{d}: draft config does not describe an eyas draft ({e})") from None
+    draft = Eagle3Draft(dc)
+    expected = draft.state_dict()
+    for name, value in state.items():
+        if name in expected and tuple(value.shape) != tuple(expected[name].shape):
+            raise EyasError(f"{d}: {name} has shape {list(value.shape)}, the config implies {list(expected[name].shape)}")
+    has_embed = EMBED in state
+    if not has_embed:
+        if embed_tokens is not None:
+            state[EMBED] = embed_tokens.detach()
+        else:
+            state[EMBED] = torch.full_like(expected[EMBED], float("nan"))
+    vocab = {k: state.pop(k) for k in ("d2t", "t2d") if k in state}
+    if not vocab and dc.draft_vocab_size != dc.vocab_size:
+        raise EyasError(f"{d}: draft vocab {dc.draft_vocab_size} < target vocab {dc.vocab_size} but no d2t/t2d "
+                        f"mapping in the weights")
+    state.update({k: expected[k] for k in ("d2t", "t2d")})
+    draft.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in state.items()}, strict=True)
+    if vocab:
+        try:
+            draft.set_vocab(vocab["d2t"].long(), vocab["t2d"].bool())
+        except (AssertionError, ValueError) as e:
+            raise EyasError(f"{d}: bad draft vocabulary mapping ({e})") from None
+    draft.eval()
+    meta.update(path=str(d), has_embed=has_embed or embed_tokens is not None, draft_config=dc.to_dict())
+    return draft, meta

@@ -1,0 +1,148 @@
+"""`export`: a trained draft -> one directory per serving engine (REFERENCE.md section 6).
+
+Each `OUT/<format>/` holds `model.safetensors` (floats in the serving dtype, `d2t` int64 and `t2d` bool
+when the draft vocabulary is smaller than the target's), the engine's `config.json`, `eyas.json` (the
+exact draft config, HF aux ids and target identity, so that eyas reads the export back losslessly)
+and a README.md with the launch command. A directory is written under a temporary name and renamed
+into place, so a reader never sees half an export.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from pathlib import Path
+
+from eyas.common import EyasError, atomic_write_json, atomic_write_text, print0, sha256_file, warn
+from eyas.export import configs
+from eyas.export.configs import FORMATS, TORCH_DTYPE_NAMES
+from eyas.export.keys import EMBED, to_midlayer
+from eyas.export.load import load_draft
+from eyas.target.layers import to_sglang_ids
+
+SCHEMA_VERSION = 1
+
+
+def check_exportable(draft, meta: dict, formats: list[str]) -> None:
+    """Refuse (EyasError) a draft whose target identity or layer ids are missing or inconsistent."""
+    src = meta.get("path", "the draft")
+    ident = meta.get("target")
+    if not ident or not ident.get("name") or not ident.get("config_hash"):
+        raise EyasError(f"{src}: no target identity recorded (name, config_hash); eyas cannot say which model "
+                        f"this draft serves. Re-export from the eyas checkpoint it came from")
+    aux = meta.get("aux_layers")
+    if not aux:
+        raise EyasError(f"{src}: no aux layer ids recorded; without them an engine captures the wrong layers")
+    if any(not isinstance(i, int) or isinstance(i, bool) for i in aux) or aux != sorted(set(aux)) or aux[0] < 1:
+        raise EyasError(f"{src}: aux layer ids {aux} must be distinct ascending integers >= 1 (HF convention)")
+    n = meta.get("num_layers")
+    if n is not None and aux[-1] > int(n) - 1:
+        raise EyasError(f"{src}: aux layer ids {aux} are out of range for the recorded {n}-layer target: "
+                        f"residual-stream ids are 1..{int(n) - 1} in the HF convention")
+    if n is None:
+        warn(f"{src}: the target's number of layers is not recorded; aux ids {aux} were not range-checked")
+    hidden = draft.cfg.hidden_size
+    fc_in = draft.fc.weight.shape[1]
+    if fc_in != len(aux) * hidden or draft.cfg.num_aux_layers != len(aux):
+        raise EyasError(f"{src}: {len(aux)} aux layer ids {aux} but fc takes {fc_in} = {fc_in / hidden:g} x "
+                        f"hidden_size {hidden} inputs; the recorded ids do not belong to these weights")
+    if len(aux) != 3 and set(formats) & {"sglang", "vllm"}:
+        raise EyasError(f"{src}: the draft fuses {len(aux)} aux layers, but SGLang and vLLM build fc for exactly 3; "
+                        f"export it only with --to speculators, or train with train.features=fused")
+    store = meta.get("store")
+    if store and (Path(store) / "manifest.json").is_file():
+        from eyas.common import read_json
+
+        manifest = read_json(Path(store) / "manifest.json")
+        if manifest.get("aux_layers") not in (None, aux):
+            raise EyasError(f"{src}: the checkpoint records aux layers {aux} but its store {store} captured "
+                            f"{manifest['aux_layers']}")
+        found = manifest.get("target") or {}
+        if found.get("config_hash") not in (None, ident["config_hash"]):
+            raise EyasError(f"{src}: the checkpoint's target {ident} differs from its store's target {found}")
+
+
+def _weights(draft, meta: dict, dtype: str, with_embed: bool) -> dict:
+    import torch
+
+    cast = getattr(torch, TORCH_DTYPE_NAMES[dtype])
+    state = {k: v.detach().cpu() for k, v in draft.state_dict().items()}
+    if not (with_embed and meta.get("has_embed")):
+        if with_embed:
+            warn(f"{meta.get('path')}: no target embedding in the checkpoint; exporting without embed_tokens.weight")
+        state.pop(EMBED)
+    if draft.cfg.draft_vocab_size == draft.cfg.vocab_size:
+        state.pop("d2t"), state.pop("t2d")  # identity mapping: engines treat a missing map as the full vocab
+    else:
+        state["d2t"], state["t2d"] = state["d2t"].to(torch.int64), state["t2d"].to(torch.bool)
+    return {k: (v.to(cast) if v.is_floating_point() else v).contiguous() for k, v in state.items()}
+
+
+def _write_one(fmt: str, final: Path, state: dict, meta: dict, dtype: str) -> Path:
+    from safetensors.torch import save_file
+
+    dc, aux = meta["draft_config"], list(meta["aux_layers"])
+    final = final.resolve()
+    if final.exists() and any(final.iterdir()) and not (final / "eyas.json").is_file():
+        raise EyasError(f"{final} exists and is not an eyas export; it would be replaced: choose a new or empty "
+                        f"directory for --out")
+    out_dir = final.parent
+    target = configs.serving_target(meta.get("target_spec"))
+    if fmt == "sglang":
+        cfg, written = configs.sglang_config(dc, aux, dtype), to_sglang_ids(aux)
+        state = to_midlayer(state)  # SGLang's layer is `midlayer`; it skips names it cannot place
+    elif fmt == "vllm":
+        cfg, written = configs.vllm_config(dc, aux, dtype), aux
+    else:
+        cfg, written = configs.speculators_config(dc, aux, dtype, target, meta.get("target_architectures")), aux
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{fmt}.", suffix=".tmp", dir=out_dir))
+    tmp.chmod(0o755)  # mkdtemp makes it private; an export is meant to be read by a server
+    try:
+        save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        atomic_write_json(tmp / "config.json", cfg)
+        atomic_write_json(tmp / "eyas.json", {
+            "schema_version": SCHEMA_VERSION, "format": fmt, "dtype": dtype,
+            "aux_layers": aux, "aux_layers_written": written,
+            "aux_layers_convention": "sglang (HF - 1)" if fmt == "sglang" else "hf",
+            "target": meta.get("target"), "target_spec": meta.get("target_spec"),
+            "target_num_layers": meta.get("num_layers"), "target_architectures": meta.get("target_architectures"),
+            "features": meta.get("features"), "ttt": meta.get("ttt"), "draft_config": dc,
+            "source": meta.get("path"), "weights_sha256": sha256_file(tmp / "model.safetensors"),
+        })
+        atomic_write_text(tmp / "README.md", configs.readme(fmt, str(final.resolve()), meta, written, dtype))
+        old = None
+        if final.exists():
+            old = out_dir / f".{final.name}.old"
+            shutil.rmtree(old, ignore_errors=True)
+            final.rename(old)
+        tmp.rename(final)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return final
+
+
+def export(run_or_ckpt: str | Path, out_dir: str | Path, formats=("sglang", "vllm", "speculators"), *,
+           dtype: str = "bf16", embed_tokens: bool = False) -> dict[str, Path]:
+    """Export a run dir / step dir / export dir; returns {format: directory written}.
+
+    With one format `out_dir` is that export's directory; with several, each goes to `out_dir/<format>/`.
+    """
+    formats = list(FORMATS) if formats in ("all", None) else [formats] if isinstance(formats, str) else list(formats)
+    bad = [f for f in formats if f not in FORMATS]
+    if bad or not formats:
+        raise EyasError(f"unknown export format(s) {bad}; choose from: {', '.join(FORMATS)}, all")
+    if dtype not in TORCH_DTYPE_NAMES:
+        raise EyasError(f"export dtype {dtype!r} is not one of {', '.join(TORCH_DTYPE_NAMES)}")
+    draft, meta = load_draft(run_or_ckpt)
+    check_exportable(draft, meta, formats)
+    state = _weights(draft, meta, dtype, embed_tokens)
+    paths = {}
+    for fmt in formats:
+        final = Path(out_dir) if len(formats) == 1 else Path(out_dir) / fmt
+        paths[fmt] = _write_one(fmt, final, state, meta, dtype)
+        print0(f"export {fmt:<11} -> {paths[fmt]}")
+    return paths

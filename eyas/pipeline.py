@@ -1,0 +1,648 @@
+"""The stage table and `eyas run`: what each stage reads, writes and needs, and a runner that skips
+what is done, resumes what was interrupted, reruns what changed, and ends every process it started.
+
+Each stage is one or more `python -m eyas <command> --config RUN/config.yaml ...` subprocesses, each in
+its own process group (eyas/gpu/procs.py). A stage's fingerprint covers the config keys it depends on
+and a manifest (name, size, mtime) of each input; RUN/stages.json keeps the fingerprint and a manifest
+of the output of every finished stage, so a rerun of a finished run only reads the file system.
+With two or more GPUs, capture and training run at once on disjoint halves, training tailing the store.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fcntl
+import math
+import os
+import shutil
+import signal
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from eyas.common import EyasError, atomic_write_json, read_json, save_config, sha256_json
+from eyas.config import RunConfig
+from eyas.gpu import nvml, procs
+
+POLL_S = 0.1
+
+
+@dataclass(frozen=True)
+class Cmd:
+    argv: list[str]
+    out: str | None = None  # the file this command writes last: when present, a resumed stage skips it
+
+
+@dataclass(frozen=True)
+class Ctx:
+    """What a stage's command builder may use."""
+
+    cfg: RunConfig
+    run: Path
+    num_devices: int
+    resume: bool  # the stage ran before with the same inputs and left partial output
+    tail: bool  # this stage starts while the stage it tails still writes its output
+
+
+@dataclass(frozen=True)
+class Stage:
+    name: str
+    reads: tuple[str, ...]  # run-dir paths (outputs of earlier stages)
+    writes: str  # the run-dir path it writes
+    config: tuple[str, ...]  # config sections or section.key it depends on
+    gpus: str  # none | one | all
+    commands: Callable[[Ctx], list[Cmd]]
+    when: Callable[[RunConfig], bool] = lambda cfg: True
+    tails: str | None = None  # may run alongside this stage, reading its output as it grows
+    external: Callable[[RunConfig], list[str]] = lambda cfg: []  # files outside the run dir it reads
+    timeout_s: float = 0.0  # 0 = the runner's --stage-timeout
+
+
+def eyas(ctx: Ctx, command: str, *args: str, dist: bool = False) -> list[str]:
+    """argv of a stage command; a distributed one on several devices goes through torchrun."""
+    head = [sys.executable, "-m"]
+    if dist and ctx.num_devices > 1:
+        head += ["torch.distributed.run", "--standalone", f"--nproc-per-node={ctx.num_devices}", "-m"]
+    return head + ["eyas", command, "--config", str(ctx.run / "config.yaml"), *args]
+
+
+def _prepare(ctx: Ctx) -> list[Cmd]:
+    # regeneration (data.regenerate) runs inside prepare: it shares the tokenizer and its resume file
+    return [Cmd(eyas(ctx, "prepare", "--out", str(ctx.run / "prepared")))]
+
+
+def _capture(ctx: Ctx) -> list[Cmd]:
+    return [Cmd(eyas(ctx, "capture", "--data", str(ctx.run / "prepared"), "--out", str(ctx.run / "store"), dist=True))]
+
+
+def _train(ctx: Ctx) -> list[Cmd]:
+    if ctx.cfg.capture.mode == "store":
+        source = ["--store", str(ctx.run / "store")] + (["--tail"] if ctx.tail else [])
+    else:
+        source = ["--source", "online", "--data", str(ctx.run / "prepared")]
+    resume = ["--resume"] if ctx.resume else []
+    return [Cmd(eyas(ctx, "train", *source, "--out", str(ctx.run / "train"), *resume, dist=True))]
+
+
+def _eval(ctx: Ctx) -> list[Cmd]:
+    ev = ctx.cfg.eval
+    settings = [(f"chain{k}", ["--steps", str(k)]) for k in ev.steps]
+    if ev.tree:
+        settings.append(("tree" + ev.tree.replace(",", "-"), ["--tree", ev.tree]))
+    cmds = []
+    for bench in ev.benches:
+        for name, flags in settings:
+            out = ctx.run / "eval" / f"{Path(bench).stem}-{name}.json"
+            cmds.append(Cmd(eyas(ctx, "eval", "--draft", str(ctx.run / "train"), "--bench", bench, *flags,
+                                 "--out", str(out)), out=str(out)))
+    return cmds
+
+
+def _export(ctx: Ctx) -> list[Cmd]:
+    formats = ctx.cfg.export.formats  # with several formats, eyas export writes OUT/<format>/ for each
+    out = ctx.run / "export" / formats[0] if len(formats) == 1 else ctx.run / "export"
+    return [Cmd(eyas(ctx, "export", str(ctx.run / "train"), "--to", ",".join(formats), "--out", str(out)))]
+
+
+def _store_mode(cfg: RunConfig) -> bool:
+    return cfg.capture.mode == "store"
+
+
+STAGES = (
+    #     name       reads                   writes      depends on config                     gpus    commands
+    Stage("prepare", (),                     "prepared", ("target.spec", "data"),              "one",  _prepare,
+          external=lambda cfg: cfg.data.data),
+    Stage("capture", ("prepared",),          "store",    ("target", "capture"),                "all",  _capture,
+          when=_store_mode),
+    Stage("train",   ("prepared", "store"),  "train",    ("target", "capture.mode", "train"),  "all",  _train,
+          tails="capture"),
+    Stage("eval",    ("train",),             "eval",     ("target", "eval"),                   "one",  _eval),
+    Stage("export",  ("train",),             "export",   ("export",),                          "none", _export),
+)
+
+
+# ---------------------------------------------------------------- fingerprints
+
+def manifest(path: Path) -> list | None:
+    """[relative name, size, mtime_ns] of every file under `path` (temporary and hidden files left out)."""
+    if not path.exists():
+        return None
+    if path.is_file():
+        st = path.stat()
+        return [[path.name, st.st_size, st.st_mtime_ns]]
+    rows = []
+    for root, dirs, files in os.walk(path):
+        dirs[:] = sorted(d for d in dirs if not d.startswith("."))
+        for name in sorted(files):
+            if name.startswith(".") or name.endswith((".tmp", ".lock")):
+                continue
+            p = Path(root) / name
+            try:
+                st = p.stat()
+            except FileNotFoundError:
+                continue
+            rows.append([str(p.relative_to(path)), st.st_size, st.st_mtime_ns])
+    return rows
+
+
+def _config_value(cfg: RunConfig, key: str):
+    section, _, name = key.partition(".")
+    value = getattr(cfg, section)
+    value = getattr(value, name) if name else value
+    return dataclasses.asdict(value) if dataclasses.is_dataclass(value) else value
+
+
+def fingerprint_parts(stage: Stage, cfg: RunConfig, run: Path) -> dict[str, str]:
+    parts = {"config": sha256_json({k: _config_value(cfg, k) for k in stage.config})}
+    for name in stage.reads:
+        parts[name] = sha256_json(manifest(run / name))
+    for path in stage.external(cfg):
+        parts[path] = sha256_json(manifest(Path(path)))  # a hub name is not a path: its name is in config
+    return parts
+
+
+# ---------------------------------------------------------------- runner
+
+@dataclass
+class RunOptions:
+    gpus: list[int] | None = None  # the device pool; None = CUDA_VISIBLE_DEVICES or every GPU NVML sees
+    wait_for_gpus: float = 0.0  # seconds to wait for foreign processes to leave our GPUs (0 = refuse)
+    overlap: bool = True  # capture and train at once when there are two or more GPUs
+    stage_timeout: float = 0.0  # seconds per stage command, 0 = none
+    grace_s: float = 10.0  # SIGTERM -> SIGKILL
+    release_timeout_s: float = 120.0  # teardown -> GPU memory back near its baseline
+    tolerance_mib: float = 256.0
+    echo: bool = True  # copy stage output to the terminal
+
+
+class Terminated(BaseException):
+    """SIGTERM or SIGHUP reached the runner (handled like Ctrl-C)."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+class StageFailed(EyasError):
+    pass
+
+
+@dataclass
+class Job:
+    stage: Stage
+    cmds: list[Cmd]
+    devices: list[int]
+    t0: float = field(default_factory=time.monotonic)
+    proc: procs.StageProcess | None = None
+    deadline: float = math.inf
+    baseline: dict[int, float] = field(default_factory=dict)
+    log_pos: int = 0
+
+
+def _default_pool() -> list[int]:
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None and all(v.strip().isdigit() for v in visible.split(",") if v.strip()):
+        return [int(v) for v in visible.split(",") if v.strip()]
+    return [g.index for g in nvml.gpus()]
+
+
+class Runner:
+    def __init__(self, cfg: RunConfig, run: Path, opts: RunOptions, stages=STAGES):
+        self.cfg, self.run, self.opts, self.stages = cfg, Path(run), opts, stages
+        self.pool = opts.gpus if opts.gpus is not None else _default_pool()
+        self.state: dict = {}
+        self.records: list[dict] = []
+        self.jobs: list[Job] = []
+        self.summary: list[str] = []
+
+    # -- bookkeeping files
+    def _save_state(self) -> None:
+        atomic_write_json(self.run / "stages.json", self.state)
+
+    def _save_records(self) -> None:
+        atomic_write_json(self.run / "processes.json",
+                          {"runner": {"pid": os.getpid(), "start_ticks": procs.start_time(os.getpid())},
+                           "stages": self.records})
+
+    def _clean_orphans(self) -> None:
+        try:
+            old = read_json(self.run / "processes.json").get("stages", [])
+        except (OSError, ValueError, AttributeError):
+            old = []
+        for rec in old:
+            if not rec.get("ended"):
+                for note in procs.end_orphans(rec, self.opts.grace_s):
+                    print(f"eyas run: {note}", flush=True)
+        self.records = []
+        self._save_records()
+
+    def log(self, msg: str) -> None:
+        print(f"eyas run: {msg}", flush=True)
+
+    # -- decisions
+    def decide(self, stage: Stage) -> tuple[str, str]:
+        """('skip'|'resume'|'fresh', why)."""
+        parts = fingerprint_parts(stage, self.cfg, self.run)
+        rec = self.state.get(stage.name, {})
+        out = self.run / stage.writes
+        if rec.get("parts") == parts:
+            if rec.get("status") == "done" and rec.get("outputs") == sha256_json(manifest(out)):
+                return "skip", "done, inputs unchanged"
+            if out.exists():
+                return "resume", f"resuming after '{rec.get('status', 'unfinished')}'"
+            return "fresh", "output missing"
+        if rec.get("parts") and out.exists():
+            changed = [k for k in parts if rec["parts"].get(k) != parts[k]]
+            shutil.rmtree(out) if out.is_dir() else out.unlink()
+            return "fresh", f"inputs changed ({', '.join(changed)}): old output removed"
+        if out.exists():
+            return "resume", "output present without a record: resuming"
+        return "fresh", "first run"
+
+    def devices_for(self, stage: Stage, share: int = 0, of: int = 1) -> list[int]:
+        if stage.gpus == "none" or not self.pool:
+            return []
+        if stage.gpus == "one":
+            return self.pool[:1]
+        if of == 1:
+            return list(self.pool)
+        cut = math.ceil(len(self.pool) / 2)
+        return self.pool[:cut] if share == 0 else self.pool[cut:]
+
+    # -- the run
+    def execute(self) -> None:
+        self.run.mkdir(parents=True, exist_ok=True)
+        save_config(self.cfg, self.run / "config.yaml")
+        try:
+            self.state = read_json(self.run / "stages.json")
+        except (OSError, ValueError):
+            self.state = {}
+        self._clean_orphans()
+        active = [s for s in self.stages if s.when(self.cfg)]
+        i = 0
+        while i < len(active):
+            stage = active[i]
+            action, why = self.decide(stage)
+            self.log(f"{stage.name}: {'skipped' if action == 'skip' else 'running'} ({why})")
+            if action == "skip":
+                i += 1
+                continue
+            wave = [(stage, action)]
+            partner = active[i + 1] if i + 1 < len(active) else None
+            if partner and partner.tails == stage.name and self.opts.overlap and len(self.pool) >= 2:
+                p_action, p_why = self.decide(partner)
+                self.log(f"{partner.name}: running alongside {stage.name}, tailing its output ({p_why})")
+                wave.append((partner, p_action))
+            self.run_wave(wave)
+            i += len(wave)
+
+    def run_wave(self, wave: list[tuple[Stage, str]]) -> None:
+        self.jobs = []
+        for n, (stage, action) in enumerate(wave):
+            devices = self.devices_for(stage, n, len(wave))
+            ctx = Ctx(self.cfg, self.run, len(devices), action == "resume", tail=n > 0)
+            cmds = [c for c in stage.commands(ctx) if not (action == "resume" and c.out and Path(c.out).exists())]
+            rec = self.state.setdefault(stage.name, {})
+            rec.update(status="running", parts=fingerprint_parts(stage, self.cfg, self.run), devices=devices,
+                       started_at=time.time(), log=str(self.run / "logs" / f"{stage.name}.log"))
+            rec["attempts"] = rec.get("attempts", 0) + 1
+            self.jobs.append(Job(stage, cmds, devices))
+        self._save_state()
+        try:
+            for job in self.jobs:
+                self._next_command(job)
+            while any(job.proc for job in self.jobs):
+                for job in self.jobs:
+                    self._echo(job)
+                    if job.proc and job.proc.exited():
+                        self._end_command(job, "exit")
+                    elif job.proc and time.monotonic() > job.deadline:
+                        self._end_command(job, "timeout")
+                time.sleep(POLL_S)
+        except BaseException as e:
+            status = "interrupted" if isinstance(e, (KeyboardInterrupt, Terminated)) else "failed"
+            self._teardown_all(status, e)
+            raise
+
+    def _next_command(self, job: Job) -> None:
+        if not job.cmds:
+            self._finish(job)
+            return
+        cmd = job.cmds.pop(0)
+        self._check_gpus(job)
+        job.baseline = nvml.used_mib(job.devices)
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        if self.pool:
+            env.update(CUDA_VISIBLE_DEVICES=",".join(map(str, job.devices)), CUDA_DEVICE_ORDER="PCI_BUS_ID")
+        log = self.run / "logs" / f"{job.stage.name}.log"
+        log.parent.mkdir(parents=True, exist_ok=True)
+        with open(log, "a") as f:
+            f.write(f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S')} {' '.join(cmd.argv)}\n")
+        job.log_pos = log.stat().st_size
+        job.proc = procs.launch(job.stage.name, cmd.argv, env, log, job.devices)
+        self.records.append(job.proc.record())
+        self._save_records()
+        timeout = job.stage.timeout_s or self.opts.stage_timeout
+        job.deadline = time.monotonic() + timeout if timeout else math.inf
+
+    def _check_gpus(self, job: Job) -> None:
+        if not job.devices or not nvml.available():
+            return
+        ours = {os.getpid()} | {p for j in self.jobs if j.proc for p in j.proc.seen | {j.proc.pid}}
+        foreign = [h for h in nvml.holders(job.devices) if h.pid not in ours]
+        if foreign and self.opts.wait_for_gpus > 0:
+            self.log(f"{job.stage.name}: waiting up to {self.opts.wait_for_gpus:.0f} s for other processes "
+                     f"to leave GPUs {job.devices}:\n{nvml.format_holders(foreign)}")
+            foreign = nvml.wait_for_free(job.devices, ours, self.opts.wait_for_gpus)
+        if foreign:
+            raise EyasError(f"{job.stage.name}: GPUs {job.devices} hold memory of processes eyas did not start "
+                            f"(they are never touched); free them or pass --wait-for-gpus SECONDS:\n"
+                            f"{nvml.format_holders(foreign)}")
+
+    def _end_command(self, job: Job, why: str) -> None:
+        proc = job.proc
+        result = procs.teardown(proc, self.opts.grace_s)
+        job.proc = None
+        self._echo_rest(job, proc)
+        self._mark_ended(proc)
+        if result.killed or result.left:
+            self.log(result.message())
+        leak = nvml.wait_released(job.devices, proc.seen, job.baseline, self.opts.tolerance_mib,
+                                  self.opts.release_timeout_s)
+        if why == "timeout" or result.returncode != 0 or leak:
+            status = "timeout" if why == "timeout" else "failed"
+            self.state[job.stage.name].update(status=status, returncode=result.returncode, ended_at=time.time())
+            self._teardown_all(status, None)
+            detail = (f"timed out after {job.stage.timeout_s or self.opts.stage_timeout:.0f} s" if why == "timeout"
+                      else f"exited with code {result.returncode}")
+            raise StageFailed(f"{job.stage.name} {detail}; log: {proc.log}" + (f"\n{leak}" if leak else "")
+                              + _log_tail(proc.log))
+        self._next_command(job)
+
+    def _finish(self, job: Job) -> None:
+        rec = self.state[job.stage.name]
+        wall = time.monotonic() - job.t0
+        rec.update(status="done", returncode=0, ended_at=time.time(), wall_s=round(wall, 3),
+                   total_s=round(rec.get("total_s", 0.0) + wall, 3),
+                   parts=fingerprint_parts(job.stage, self.cfg, self.run),  # a tailed input is final now
+                   outputs=sha256_json(manifest(self.run / job.stage.writes)))
+        self._save_state()
+        self.log(f"{job.stage.name}: done in {wall:.1f} s")
+
+    def _mark_ended(self, proc: procs.StageProcess) -> None:
+        for rec in self.records:
+            if rec["pid"] == proc.pid and rec["token"] == proc.token:
+                rec.update(ended=True, returncode=proc.returncode)
+        self._save_records()
+
+    def _teardown_all(self, status: str, exc: BaseException | None) -> None:
+        """End every live stage; further Ctrl-C/SIGTERM are ignored until that is done."""
+        saved = {s: signal.signal(s, signal.SIG_IGN) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+        try:
+            for job in self.jobs:
+                if job.proc is None:
+                    continue
+                if exc is not None:
+                    self.log(f"{job.stage.name}: {status} ({exc or type(exc).__name__}); ending its process group")
+                proc, job.proc = job.proc, None
+                result = procs.teardown(proc, self.opts.grace_s)
+                self._mark_ended(proc)
+                self.log(result.message())
+                leak = nvml.wait_released(job.devices, proc.seen, job.baseline, self.opts.tolerance_mib,
+                                          self.opts.release_timeout_s)
+                if leak:
+                    self.log(leak)
+                rec = self.state[job.stage.name]
+                if rec.get("status") == "running":
+                    rec.update(status=status, returncode=result.returncode, ended_at=time.time())
+            self._save_state()
+        finally:
+            for s, handler in saved.items():
+                signal.signal(s, handler)
+
+    def _echo(self, job: Job) -> None:
+        if not (self.opts.echo and job.proc):
+            return
+        try:
+            with open(job.proc.log, "rb") as f:
+                f.seek(job.log_pos)
+                data = f.read()
+        except OSError:
+            return
+        if data:
+            job.log_pos += len(data)
+            sys.stdout.buffer.write(data)
+            sys.stdout.flush()
+
+    def _echo_rest(self, job: Job, proc: procs.StageProcess) -> None:
+        job.proc = proc
+        self._echo(job)
+        job.proc = None
+
+
+def _log_tail(log: Path, lines: int = 15) -> str:
+    try:
+        tail = log.read_text(errors="replace").splitlines()[-lines:]
+    except OSError:
+        return ""
+    return "\n--- last lines of the log ---\n" + "\n".join(tail)
+
+
+def _on_signal(signum, frame):
+    raise Terminated(signum)
+
+
+class _RunLock:
+    """One runner per run directory; the lock goes with the process, even on kill -9."""
+
+    def __init__(self, run: Path):
+        run.mkdir(parents=True, exist_ok=True)
+        self.f = open(run / ".runner.lock", "a+")
+        try:
+            fcntl.flock(self.f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self.f.close()
+            raise EyasError(f"another `eyas run` is working in {run}; wait for it or use another --run-dir") from None
+
+    def release(self) -> None:
+        self.f.close()
+
+
+def run_pipeline(cfg: RunConfig, run: Path, opts: RunOptions | None = None, stages=STAGES) -> Runner:
+    """Run the stage table in `run`; raises StageFailed/EyasError, KeyboardInterrupt or Terminated."""
+    run = Path(run)
+    lock = _RunLock(run)
+    saved = {s: signal.signal(s, _on_signal) for s in (signal.SIGTERM, signal.SIGHUP)}
+    runner = Runner(cfg, run, opts or RunOptions(), stages)
+    try:
+        runner.execute()
+    finally:
+        for s, handler in saved.items():
+            signal.signal(s, handler)
+        try:
+            runner.summary = write_report(run, cfg, runner.state)
+        finally:
+            lock.release()
+    return runner
+
+
+# ---------------------------------------------------------------- the run report
+
+def _read(path: Path):
+    """A stage's JSON output, or None when it is missing or unreadable (the report never fails on it)."""
+    try:
+        return read_json(path)
+    except (OSError, ValueError):
+        return None
+
+
+def _first(doc, *keys):
+    return next((doc[k] for k in keys if isinstance(doc, dict) and doc.get(k) is not None), None)
+
+
+def _dir_bytes(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file()) if path.is_dir() else 0
+
+
+def _throughput(run: Path, name: str, wall: float | None) -> str:
+    """From the stage's summary.json ({"throughput": x, "throughput_unit": "tok/s"}), else derived."""
+    out = {"prepare": "prepared", "capture": "store", "train": "train"}.get(name, name)
+    summary = _read(run / out / "summary.json") or {}
+    if _first(summary, "throughput") is not None:
+        return f"{summary['throughput']:.4g} {summary.get('throughput_unit', '/s')}"
+    if not wall:
+        return ""
+    if name == "prepare" and (n := _first(_read(run / "prepared" / "prepare.json"), "kept", "num_samples")):
+        return f"{n / wall:.3g} samples/s" if isinstance(n, (int, float)) else ""
+    if name == "capture" and (n := _first(_read(run / "store" / "manifest.json"), "num_tokens")):
+        return f"{n / wall:.4g} tok/s"
+    if name == "train" and (n := _first(_last_metrics(run), "step")):
+        return f"{n / wall:.3g} steps/s"
+    return ""
+
+
+def _last_metrics(run: Path) -> dict:
+    try:
+        lines = (run / "train" / "metrics.jsonl").read_text().splitlines()
+        return _read_line(lines[-1]) if lines else {}
+    except OSError:
+        return {}
+
+
+def _read_line(line: str) -> dict:
+    import json
+
+    try:
+        doc = json.loads(line)
+        return doc if isinstance(doc, dict) else {}
+    except ValueError:
+        return {}
+
+
+def eval_results(run: Path) -> list[dict]:
+    rows = []
+    for path in sorted((run / "eval").glob("*.json")):
+        doc = _read(path) or {}
+        s = doc.get("summary", doc) if isinstance(doc, dict) else {}
+        speedup = _first(s, "speedup", "speedup_vs_plain")
+        rows.append({"name": path.stem, "tau": _first(s, "tau", "tau_pooled", "acceptance_length"),
+                     "tau_request": _first(s, "tau_per_request", "tau_request_mean"),
+                     "per_position": _first(s, "per_position", "per_position_acceptance") or [],
+                     "speedup": speedup.get("plain") if isinstance(speedup, dict) else speedup,
+                     "png": path.with_suffix(".png") if path.with_suffix(".png").exists() else None})
+    return rows
+
+
+def launch_lines(run: Path, cfg: RunConfig) -> dict[str, str]:
+    """The export README's launch line per engine, else one built from REFERENCE.md section 6."""
+    target = "HuggingFaceTB/SmolLM2-135M-Instruct" if cfg.target.spec == "smollm2" else cfg.target.spec
+    k = cfg.eval.steps[0] if cfg.eval.steps else 3
+    lines = {
+        "vllm": f"vllm serve {target} --speculative-config '{{\"model\": \"{run / 'export' / 'vllm'}\", "
+                f"\"method\": \"eagle3\", \"num_speculative_tokens\": {k}}}'",
+        "sglang": f"python -m sglang.launch_server --model-path {target} --speculative-algorithm EAGLE3 "
+                  f"--speculative-draft-model-path {run / 'export' / 'sglang'} --speculative-num-steps {k} "
+                  f"--speculative-eagle-topk 1 --speculative-num-draft-tokens {k + 1}",
+    }
+    for engine, marker in (("vllm", "vllm serve"), ("sglang", "sglang.launch_server")):
+        try:
+            readme = (run / "export" / engine / "README.md").read_text()
+        except OSError:
+            continue
+        found = [ln.strip() for ln in readme.splitlines() if marker in ln]
+        if found:
+            lines[engine] = found[0]
+    return lines
+
+
+def _acceptance_png(run: Path, rows: list[dict]) -> Path | None:
+    """One PNG of per-position acceptance for all eval settings (drawn once)."""
+    path = run / "acceptance.png"
+    if path.exists() or not any(r["per_position"] for r in rows):
+        return path if path.exists() else None
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    for r in rows:
+        if r["per_position"]:
+            ax.plot(range(1, len(r["per_position"]) + 1), r["per_position"], marker="o", label=r["name"])
+    ax.set(xlabel="draft position", ylabel="acceptance rate", ylim=(0, 1.05), title="per-position acceptance")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def write_report(run: Path, cfg: RunConfig, state: dict) -> list[str]:
+    """RUN/report.md; returns the short terminal summary."""
+    from eyas.common import atomic_write_text, format_bytes
+
+    md = [f"# eyas run `{cfg.name}`", "", f"Target `{cfg.target.spec}`, run directory `{run}`.", "",
+          "| stage | status | wall time | throughput | devices |", "|---|---|---|---|---|"]
+    summary = []
+    for name, rec in state.items():
+        wall = rec.get("wall_s")
+        took = f"{wall:.1f} s" if wall is not None else ""
+        md.append(f"| {name} | {rec.get('status', '?')} | {took} | {_throughput(run, name, wall)} | "
+                  f"{','.join(map(str, rec.get('devices', []))) or 'cpu'} |")
+        summary.append(f"{name:<8} {rec.get('status', '?'):<11} {took}")
+    store = _read(run / "store" / "manifest.json")
+    if store:
+        size = _dir_bytes(run / "store")
+        md += ["", "## Store", "", f"{store.get('num_samples', '?')} samples, {store.get('num_tokens', '?')} tokens, "
+               f"{len(store.get('shards', []))} shards, {format_bytes(size)} on disk ({store.get('dtype', '?')})."]
+        summary.append(f"store    {format_bytes(size)}")
+    if (run / "train").exists():
+        md += ["", "## Training", ""]
+        last = _last_metrics(run)
+        if last:
+            md.append("Last logged step: " + ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
+                                                       for k, v in last.items()))
+        if (run / "train" / "curves.png").exists():
+            md += ["", "![training curves](train/curves.png)"]
+    rows = eval_results(run)
+    if rows:
+        md += ["", "## Speculative decoding", "", "| benchmark-setting | tau | tau per request | speedup |", "|---|---|---|---|"]
+        for r in rows:
+            fmt = lambda v: f"{v:.3f}" if isinstance(v, (int, float)) else "?"  # noqa: E731
+            md.append(f"| {r['name']} | {fmt(r['tau'])} | {fmt(r['tau_request'])} | {fmt(r['speedup'])} |")
+            summary.append(f"eval     {r['name']}: tau {fmt(r['tau'])}, speedup {fmt(r['speedup'])}")
+        pngs = [r["png"] for r in rows if r["png"]] or [p for p in [_acceptance_png(run, rows)] if p]
+        md += [""] + [f"![per-position acceptance]({p.relative_to(run)})" for p in pngs]
+    exports = [run / "export" / f for f in cfg.export.formats if (run / "export" / f).exists()]
+    if exports:
+        lines = launch_lines(run, cfg)
+        md += ["", "## Export", ""] + [f"- `{p}`" for p in exports]
+        md += ["", "Serve with vLLM:", "", "```bash", lines["vllm"], "```", "", "Serve with SGLang:", "",
+               "```bash", lines["sglang"], "```"]
+        summary += [f"export   {p}" for p in exports] + [f"vLLM:   {lines['vllm']}", f"SGLang: {lines['sglang']}"]
+    atomic_write_text(run / "report.md", "\n".join(md) + "\n")
+    return summary

@@ -1,0 +1,311 @@
+"""The capture loop: prepared data -> the target's hidden states -> a packed, checksummed, resumable store.
+
+Reads top to bottom: open the store (new or resumed), plan shards, then for each shard of this rank
+run token-budgeted forward passes (an out-of-memory error splits the batch and retries), hand the
+shard to the writer thread, and finally merge the ranks' manifests. On CUDA the captured states are
+copied to pinned host memory on a separate stream, so the next forward pass overlaps the copy and
+the writes; on CPU the same structure runs with plain tensors.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from eyas.common import EyasError, format_bytes, print0, progress, warn
+from eyas.store.batching import auto_token_budget, plan_fingerprint, plan_shards, token_batches
+from eyas.store.codec import bytes_per_token, encode
+from eyas.store.manifest import HEAD_FILE, MANIFEST, RESUME_KEYS, SCHEMA_VERSION, committed_shards
+from eyas.store.manifest import differing_keys, read_manifest, write_manifest
+from eyas.store.prepared import Prepared, load_prepared_arrays
+from eyas.store.writer import Piece, ShardJob, ShardWriter, write_shard_file
+from eyas.target.capture import FeatureCapture
+
+
+class BatchRunner:
+    """One token-budgeted forward pass -> packed pieces on the host; splits and retries on OOM."""
+
+    def __init__(self, features: FeatureCapture, prepared: Prepared, dtype: str, budget: int,
+                 inject_oom_tokens: int = 0, pad_id: int = 0):
+        self.features, self.prepared, self.dtype = features, prepared, dtype
+        self.budget, self.inject_oom_tokens, self.pad_id = budget, inject_oom_tokens, pad_id
+        self.device = features.target.device
+        self.copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self.num_splits = 0
+
+    def run(self, rows: np.ndarray) -> list[Piece]:
+        try:
+            return [self._forward(rows)]
+        except torch.OutOfMemoryError as e:
+            reason = str(e).splitlines()[0][:120] if str(e) else "out of memory"
+        # retry outside the except block, so the failed pass's tensors (held by the traceback) are freed
+        padded = len(rows) * int(self.prepared.lengths[rows].max())
+        if len(rows) == 1:
+            raise EyasError(f"one sample of {padded} tokens does not fit in memory ({reason}); "
+                            f"lower data.max_length or use a device with more memory")
+        self.num_splits += 1
+        self.budget = max(1, min(self.budget, padded // 2))
+        warn(f"out of memory on a forward pass of {len(rows)} samples ({padded} padded tokens): {reason}; "
+             f"splitting it in two and retrying (token budget now {self.budget})")
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        half = (len(rows) + 1) // 2
+        return self.run(rows[:half]) + self.run(rows[half:])
+
+    def _forward(self, rows: np.ndarray) -> Piece:
+        lengths = self.prepared.lengths[rows]
+        batch, longest = len(rows), int(lengths.max())
+        if self.inject_oom_tokens and batch * longest > self.inject_oom_tokens:
+            raise torch.OutOfMemoryError(f"injected: {batch * longest} tokens > capture.inject_oom_tokens")
+        ids = np.full((batch, longest), self.pad_id, dtype=np.int64)  # [B, L], right padding
+        mask = np.zeros((batch, longest), dtype=bool)  # [B, L]
+        for b, row in enumerate(rows):
+            ids[b, :lengths[b]] = self.prepared.input_ids(row)
+            mask[b, :lengths[b]] = True
+        ids_t = torch.from_numpy(ids).to(self.device, non_blocking=True)
+        mask_t = torch.from_numpy(mask).to(self.device, non_blocking=True)
+        aux, final = self.features(ids_t, mask_t.long())  # [B, L, A*H], [B, L, H]
+        aux, final = aux[mask_t], final[mask_t]  # [t, A*H], [t, H]: real tokens, samples in row order
+        aux_q, aux_s = encode(aux, self.dtype, self.features.num_aux)
+        final_q, final_s = encode(final, self.dtype, 1)
+        return self._to_host(Piece(aux_q, final_q, aux_s, final_s))
+
+    def _to_host(self, piece: Piece) -> Piece:
+        if self.copy_stream is None:
+            return piece
+        stream = self.copy_stream
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        moved = []
+        with torch.cuda.stream(stream):
+            for t in (piece.aux, piece.final, piece.aux_scale, piece.final_scale):
+                if t is None:
+                    moved.append(None)
+                    continue
+                host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+                host.copy_(t, non_blocking=True)
+                t.record_stream(stream)  # keep the device memory alive until the copy is done
+                moved.append(host)
+            ready = torch.cuda.Event()
+            ready.record(stream)
+        return Piece(*moved, ready=ready)
+
+
+# ---------------------------------------------------------------- the store
+
+def new_manifest(cfg, target, features: FeatureCapture, prepared: Prepared, shards: list, dtype: str) -> dict:
+    from eyas import __version__
+
+    return {
+        "schema_version": SCHEMA_VERSION,
+        "target": target.identity,
+        "target_spec": cfg.target.spec,
+        "target_config": json.loads(target.config.to_json_string(use_diff=False)),
+        "num_layers": target.num_layers,
+        "hidden_size": target.hidden_size,
+        "vocab_size": target.vocab_size,
+        "aux_layers": features.aux_layers,
+        "final_hidden": "post_norm",
+        "dtype": dtype,
+        "scales": "per token and layer: amax / 448, fp32 aux_scale [T, A], final_scale [T, 1]" if dtype == "fp8" else None,
+        "shard_tokens": cfg.capture.shard_tokens,
+        "plan": {"num_shards": len(shards), "num_samples": len(prepared), "num_tokens": int(prepared.offsets[-1]),
+                 "prepared_fingerprint": prepared.fingerprint, "fingerprint": plan_fingerprint(shards)},
+        "prepared": {"path": prepared.path, "fingerprint": prepared.fingerprint},
+        "target_head": None,
+        "shards": [],
+        "num_samples": 0,
+        "num_tokens": 0,
+        "num_bytes": 0,
+        "complete": False,
+        "eyas_version": __version__,
+    }
+
+
+def _check_writable(store: Path) -> None:
+    try:
+        store.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(prefix=".probe.", dir=store)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        raise EyasError(f"cannot write into {store} ({e.strerror or e}); make it writable or choose another --out"
+                        + ("; the store already there stays valid" if (store / MANIFEST).is_file() else "")) from None
+
+
+def open_store(store: Path, fresh: dict, target) -> dict:
+    """Create a store or reopen one for resuming (rank 0 only). Returns the manifest to extend."""
+    _check_writable(store)
+    for leftover in store.glob(".*.tmp"):
+        leftover.unlink(missing_ok=True)
+    if (store / MANIFEST).is_file():
+        manifest = read_manifest(store)
+        diffs = differing_keys(manifest, {k: fresh[k] for k in RESUME_KEYS})
+        if diffs:
+            raise EyasError(f"{store} holds a capture made with other settings (differs in: {', '.join(diffs)}); "
+                            f"rerun with the original arguments to resume, or choose another --out")
+        manifest["shards"] = committed_shards(store, manifest)
+        write_manifest(store, manifest)
+        for rank_file in store.glob("manifest.rank-*.json"):
+            rank_file.unlink()
+        return manifest
+    foreign = [p.name for p in store.iterdir() if not p.name.startswith(".")]
+    if foreign:
+        raise EyasError(f"{store} is not empty and holds no store ({', '.join(sorted(foreign)[:3])}, ...); "
+                        f"choose an empty or new --out")
+    head = {"embed_tokens.weight": target.embed_tokens.weight.detach().cpu().clone(),  # [V, H]
+            "lm_head.weight": target.lm_head.weight.detach().cpu().clone()}  # [V, H]
+    tmp = store / f".{HEAD_FILE}.tmp"
+    write_shard_file(tmp, head, {"target": json.dumps(target.identity)})
+    os.replace(tmp, store / HEAD_FILE)
+    from eyas.common import sha256_file
+
+    fresh["target_head"] = {"file": HEAD_FILE, "sha256": sha256_file(store / HEAD_FILE)}
+    write_manifest(store, fresh)
+    return fresh
+
+
+def finish_store(store: Path) -> dict:
+    """Fold the ranks' records into manifest.json and mark it complete when every planned shard is there."""
+    manifest = read_manifest(store)
+    manifest["shards"] = committed_shards(store, manifest)
+    manifest["complete"] = len(manifest["shards"]) == manifest["plan"]["num_shards"]
+    write_manifest(store, manifest)
+    for rank_file in store.glob("manifest.rank-*.json"):
+        rank_file.unlink()
+    return manifest
+
+
+# ---------------------------------------------------------------- the entry point
+
+def _init_distributed() -> tuple[int, int, int, bool]:
+    """(rank, world_size, local_rank, owned): torchrun's environment, gloo for the few barriers we need."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world == 1:
+        return 0, 1, 0, False
+    import datetime
+
+    import torch.distributed as dist
+
+    owned = not dist.is_initialized()
+    if owned:
+        dist.init_process_group("gloo", timeout=datetime.timedelta(hours=12))
+    return dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", "0")), owned
+
+
+def _barrier(world: int) -> None:
+    if world > 1:
+        import torch.distributed as dist
+
+        dist.barrier()
+
+
+def _sum_over_ranks(values: list[float], world: int) -> list[float]:
+    if world == 1:
+        return values
+    import torch.distributed as dist
+
+    t = torch.tensor(values, dtype=torch.float64)
+    dist.all_reduce(t)
+    return t.tolist()
+
+
+def capture(cfg, prepared_dir, store_dir, target=None) -> dict:
+    """Capture `prepared_dir` into `store_dir` (resuming what is committed there); returns the summary."""
+    from eyas.target import load_target
+
+    rank, world, local_rank, owned = _init_distributed()
+    try:
+        prepared = load_prepared_arrays(prepared_dir)
+        if target is None:
+            device = cfg.target.device
+            if world > 1 and device == "auto" and torch.cuda.is_available():
+                device = f"cuda:{local_rank}"
+            target = load_target(cfg.target.spec, device=device, dtype=cfg.target.dtype)
+        return _capture(cfg, prepared, Path(store_dir), target, rank, world)
+    finally:
+        if owned:
+            import torch.distributed as dist
+
+            dist.destroy_process_group()
+
+
+def _capture(cfg, prepared: Prepared, store: Path, target, rank: int, world: int) -> dict:
+    features = FeatureCapture(target, cfg.target.aux_layers)
+    dtype = cfg.capture.dtype if cfg.capture.dtype != "auto" else ("bf16" if target.device.type == "cuda" else "fp32")
+    if len(prepared) == 0:
+        raise EyasError(f"{prepared.path} holds no samples; nothing to capture")
+    if int(prepared.tokens.max()) >= target.vocab_size:
+        raise EyasError(f"{prepared.path} holds token id {int(prepared.tokens.max())} but {target.name} has a vocabulary "
+                        f"of {target.vocab_size}: the data was prepared with another tokenizer; re-run `eyas prepare`")
+    lengths = prepared.lengths
+    shards = plan_shards(lengths, cfg.capture.shard_tokens)
+    fresh = new_manifest(cfg, target, features, prepared, shards, dtype)
+    if rank == 0:
+        manifest = open_store(store, fresh, target)
+    _barrier(world)
+    if rank != 0:
+        manifest = read_manifest(store)
+    done = {rec["index"] for rec in committed_shards(store, manifest)}
+    todo = [i for i in range(len(shards)) if i % world == rank and i not in done]
+    if done:
+        print0(f"resuming {store}: {len(done)} of {len(shards)} shards already committed")
+
+    max_len = int(lengths.max())
+    budget = cfg.capture.token_budget or auto_token_budget(target, features.num_aux, max_len, cfg.capture.ram_budget_gb)
+    pad_id = target.tokenizer.pad_token_id or 0
+    runner = BatchRunner(features, prepared, dtype, budget, cfg.capture.inject_oom_tokens, pad_id)
+    per_token = bytes_per_token(dtype, features.num_aux, target.hidden_size)
+    writer = ShardWriter(store, manifest, rank=rank, world_size=world, bytes_per_token=per_token)
+    remaining = sum(int(lengths[shards[i]].sum()) for i in todo)
+    print0(f"capture {target.name} -> {store}: layers {features.aux_layers} + final (post-norm), {dtype}, "
+           f"{len(todo)} shard(s) to write on rank {rank} of {world}, token budget {budget} "
+           f"({'set' if cfg.capture.token_budget else 'from free memory'})")
+    bar = progress(total=remaining, unit="tok", unit_scale=True, desc="capture", smoothing=0.1)
+    t0 = time.time()
+    num_samples = num_tokens = 0
+    try:
+        for index in todo:
+            rows = shards[index]
+            job = ShardJob(index, rows, [prepared.sample_ids[r] for r in rows],
+                           [prepared.input_ids(r) for r in rows], [prepared.loss_mask(r) for r in rows])
+            for batch in token_batches(rows, lengths, runner.budget):
+                job.pieces += runner.run(batch)
+                bar.update(int(lengths[batch].sum()))
+            writer.remaining_tokens = remaining
+            writer.submit(job)
+            remaining -= int(lengths[rows].sum())
+            num_samples, num_tokens = num_samples + len(rows), num_tokens + int(lengths[rows].sum())
+    except BaseException:
+        bar.close()
+        with contextlib.suppress(BaseException):  # commit what was handed over before the failure
+            writer.close()
+        raise
+    bar.close()
+    writer.close()
+    wall = time.time() - t0
+
+    num_samples, num_tokens, splits = _sum_over_ranks([num_samples, num_tokens, runner.num_splits], world)
+    _barrier(world)
+    final = finish_store(store) if rank == 0 else read_manifest(store)
+    _barrier(world)
+    summary = {
+        "store": str(store), "complete": final["complete"], "dtype": dtype, "aux_layers": features.aux_layers,
+        "num_samples": int(num_samples), "num_tokens": int(num_tokens), "wall_s": round(wall, 3),
+        "tokens_per_s": round(num_tokens / wall, 1) if wall > 0 else 0.0,
+        "store_samples": final["num_samples"], "store_tokens": final["num_tokens"], "store_bytes": final["num_bytes"],
+        "bytes_per_token": round(final["num_bytes"] / max(1, final["num_tokens"]), 1),
+        "num_shards": len(final["shards"]), "token_budget": budget, "oom_splits": int(splits), "world_size": world,
+    }
+    print0(f"captured {summary['num_samples']:,} samples, {summary['num_tokens']:,} tokens in {wall:.1f} s "
+           f"({summary['tokens_per_s']:,.0f} tok/s, {splits:.0f} OOM split(s)); store {store}: "
+           f"{final['num_samples']:,} samples, {final['num_tokens']:,} tokens, {len(final['shards'])} shards, "
+           f"{format_bytes(final['num_bytes'])} ({summary['bytes_per_token']:,} B/token), "
+           f"{'complete' if final['complete'] else 'INCOMPLETE'}")
+    return summary

@@ -1,0 +1,127 @@
+"""Read a store: random access per sample through memory maps, rank splits, and tailing a live capture.
+
+Only committed shards are visible (those a manifest names), so a reader may run while `eyas capture`
+is still writing; `tail()` yields each newly committed shard's samples until the manifest says the
+capture is complete.
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from eyas.common import EyasError
+from eyas.store.codec import decode
+from eyas.store.manifest import check_expect, committed_shards, read_manifest
+
+
+class _Shard:
+    """One open shard file (safetensors mmap); small index tensors are read once."""
+
+    def __init__(self, path: Path):
+        from safetensors import safe_open
+
+        self.file = safe_open(str(path), framework="pt")
+        self.offsets = self.file.get_tensor("offsets")  # [n+1]
+        self.sample_index = self.file.get_tensor("sample_index")  # [n]
+        self.sample_ids = json.loads(self.file.metadata()["sample_ids"])
+        self.has_scales = "aux_scale" in self.file.keys()
+
+    def rows(self, name: str, a: int, b: int) -> torch.Tensor:
+        return self.file.get_slice(name)[a:b]
+
+
+class StoreReader:
+    """`reader[i]` -> {sample_id, input_ids [T], loss_mask [T], aux_hidden [T, A*H], final_hidden [T, H]}."""
+
+    def __init__(self, path: str | Path, expect: dict | None = None, dtype: torch.dtype = torch.float32):
+        self.path = Path(path)
+        self.dtype = dtype
+        self.manifest = read_manifest(self.path)
+        check_expect(self.manifest, expect, self.path)
+        self._open: dict[int, _Shard] = {}
+        self.shards: list[dict] = []
+        self._starts: list[int] = []  # first global sample index of each shard
+        self.refresh()
+
+    def refresh(self) -> list[dict]:
+        """Pick up shards committed since the last call; returns the new shard records."""
+        self.manifest = read_manifest(self.path)
+        known = {rec["index"] for rec in self.shards}
+        new = [rec for rec in committed_shards(self.path, self.manifest) if rec["index"] not in known]
+        for rec in new:  # appended in commit-discovery order, so global indices never move
+            self._starts.append(len(self))
+            self.shards.append(rec)
+        return new
+
+    @property
+    def complete(self) -> bool:
+        return bool(self.manifest.get("complete"))
+
+    @property
+    def aux_layers(self) -> list[int]:
+        return self.manifest["aux_layers"]
+
+    def __len__(self) -> int:
+        return (self._starts[-1] + self.shards[-1]["num_samples"]) if self.shards else 0
+
+    def _shard(self, pos: int) -> _Shard:
+        if pos not in self._open:
+            path = self.path / self.shards[pos]["file"]
+            if not path.is_file():
+                raise EyasError(f"{path} is named in the manifest but missing; run `eyas verify {self.path}`")
+            self._open[pos] = _Shard(path)
+        return self._open[pos]
+
+    def __getitem__(self, i: int) -> dict:
+        if not 0 <= i < len(self):
+            raise IndexError(f"sample {i} out of range for a store of {len(self)} samples")
+        pos = bisect.bisect_right(self._starts, i) - 1
+        return self.read(pos, i - self._starts[pos])
+
+    def read(self, pos: int, j: int) -> dict:
+        """Sample j of the pos-th committed shard."""
+        shard = self._shard(pos)
+        a, b = int(shard.offsets[j]), int(shard.offsets[j + 1])
+        aux_scale = shard.rows("aux_scale", a, b) if shard.has_scales else None  # [T, A]
+        final_scale = shard.rows("final_scale", a, b) if shard.has_scales else None  # [T, 1]
+        return {
+            "sample_id": shard.sample_ids[j],
+            "input_ids": shard.rows("input_ids", a, b).long(),  # [T]
+            "loss_mask": shard.rows("loss_mask", a, b).long(),  # [T]
+            "aux_hidden": decode(shard.rows("aux_hidden", a, b), aux_scale, self.dtype),  # [T, A*H]
+            "final_hidden": decode(shard.rows("final_hidden", a, b), final_scale, self.dtype),  # [T, H]
+        }
+
+    def indices(self, rank: int, world_size: int) -> list[int]:
+        """This rank's share of the samples (strided, so shares differ by at most one sample)."""
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} is not in 0..{world_size - 1}")
+        return list(range(rank, len(self), world_size))
+
+    def __iter__(self):
+        for i in range(len(self)):
+            yield self[i]
+
+    def tail(self, poll_s: float = 1.0, timeout_s: float | None = 3600.0):
+        """Yield the samples of every committed shard, then of each newly committed one, until complete.
+
+        Raises EyasError when nothing new is committed for timeout_s (a capture that died)."""
+        pos, last_progress = 0, time.time()
+        while True:
+            while pos < len(self.shards):
+                for j in range(self.shards[pos]["num_samples"]):
+                    yield self.read(pos, j)
+                pos += 1
+                last_progress = time.time()
+            if self.complete:  # a complete manifest names every shard, and refresh() read them all
+                return
+            if timeout_s is not None and time.time() - last_progress > timeout_s:
+                raise EyasError(f"no new shard in {self.path} for {timeout_s:.0f} s and the capture is not complete; "
+                                f"is `eyas capture` still running? rerun it to resume")
+            time.sleep(poll_s)
+            self.refresh()

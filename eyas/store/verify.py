@@ -1,0 +1,156 @@
+"""`eyas verify`: check a store's files against its manifest, then recompute samples with the target.
+
+Every problem is collected as one line; the store is good when the list is empty. Recomputation runs
+each chosen sample alone (batch 1, no padding) through the same hooks and compares every stored layer:
+max abs error, and relative error = max abs error / max abs reference value, against the storage
+dtype's tolerance (codec.TOLERANCE).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from eyas.common import EyasError, sha256_file
+from eyas.store.codec import STORAGE_DTYPES, TOLERANCE
+from eyas.store.manifest import HEAD_FILE, committed_shards, read_manifest
+
+
+def check_files(store: Path, manifest: dict) -> list[str]:
+    """sha256s, counts, shapes and dtypes of every committed shard, and the sums in the manifest."""
+    from safetensors import safe_open
+
+    problems = []
+    head = manifest.get("target_head") or {}
+    if not (store / HEAD_FILE).is_file():
+        problems.append(f"{HEAD_FILE} is missing")
+    elif head.get("sha256") and sha256_file(store / HEAD_FILE) != head["sha256"]:
+        problems.append(f"{HEAD_FILE}: sha256 differs from the manifest (file changed or corrupt)")
+    num_aux, hidden = len(manifest["aux_layers"]), manifest["hidden_size"]
+    want_dtype = STORAGE_DTYPES[manifest["dtype"]]
+    seen_ids: set[str] = set()
+    shards = committed_shards(store, manifest)
+    for rec in shards:
+        path = store / rec["file"]
+        if not path.is_file():
+            problems.append(f"{rec['file']}: missing")
+            continue
+        if path.stat().st_size != rec["bytes"]:
+            problems.append(f"{rec['file']}: {path.stat().st_size} bytes, the manifest says {rec['bytes']}")
+        if sha256_file(path) != rec["sha256"]:
+            problems.append(f"{rec['file']}: sha256 differs from the manifest (file changed or corrupt)")
+            continue
+        with safe_open(str(path), framework="pt") as f:
+            offsets = f.get_tensor("offsets")  # [n+1]
+            ids = json.loads(f.metadata()["sample_ids"])
+            shapes = {k: f.get_slice(k).get_shape() for k in f.keys()}
+            aux_dtype = f.get_slice("aux_hidden").get_dtype()
+        n, t = len(offsets) - 1, int(offsets[-1])
+        if n != rec["num_samples"] or len(ids) != n or t != rec["num_tokens"]:
+            problems.append(f"{rec['file']}: {n} samples / {t} tokens inside, the manifest says "
+                            f"{rec['num_samples']} / {rec['num_tokens']}")
+        if bool((offsets[1:] <= offsets[:-1]).any()) or int(offsets[0]) != 0:
+            problems.append(f"{rec['file']}: offsets are not strictly increasing from 0")
+        want = {"input_ids": [t], "loss_mask": [t], "aux_hidden": [t, num_aux * hidden], "final_hidden": [t, hidden]}
+        for key, shape in want.items():
+            if shapes.get(key) != shape:
+                problems.append(f"{rec['file']}: {key} has shape {shapes.get(key)}, expected {shape}")
+        if aux_dtype != _st_dtype(want_dtype):
+            problems.append(f"{rec['file']}: aux_hidden is {aux_dtype}, the manifest says {manifest['dtype']}")
+        dup = seen_ids.intersection(ids)
+        if dup:
+            problems.append(f"{rec['file']}: sample ids stored twice, e.g. {sorted(dup)[:3]}")
+        seen_ids.update(ids)
+    if manifest["shards"]:
+        for key, field in (("num_samples", "num_samples"), ("num_tokens", "num_tokens")):
+            total = sum(r[field] for r in manifest["shards"])
+            if manifest.get(key) != total:
+                problems.append(f"manifest {key} is {manifest.get(key)}, its shards sum to {total}")
+    if manifest.get("complete"):
+        if len(shards) != manifest["plan"]["num_shards"]:
+            problems.append(f"manifest says complete with {len(shards)} of {manifest['plan']['num_shards']} shards")
+        if len(seen_ids) != manifest["plan"]["num_samples"]:
+            problems.append(f"complete store holds {len(seen_ids)} samples, the plan has {manifest['plan']['num_samples']}")
+    return problems
+
+
+def _st_dtype(dtype: torch.dtype) -> str:
+    return {torch.float32: "F32", torch.bfloat16: "BF16", torch.float8_e4m3fn: "F8_E4M3"}[dtype]
+
+
+def recompute(store: Path, manifest: dict, target, num_samples: int, seed: int = 0) -> tuple[list[dict], list[str]]:
+    """Rerun num_samples random samples through the target; one row per (sample, layer)."""
+    from eyas.store.reader import StoreReader
+    from eyas.target.capture import FeatureCapture
+
+    problems = []
+    if target.identity.get("config_hash") != manifest["target"].get("config_hash"):
+        problems.append(f"target {target.name} (config {target.identity.get('config_hash')}) is not the store's "
+                        f"target {manifest['target'].get('name')} (config {manifest['target'].get('config_hash')})")
+        return [], problems
+    reader = StoreReader(store)
+    features = FeatureCapture(target, manifest["aux_layers"])
+    tol = TOLERANCE[manifest["dtype"]]
+    prepared, row_of = _prepared_rows(manifest)
+    picks = sorted(random.Random(seed).sample(range(len(reader)), min(num_samples, len(reader))))
+    rows = []
+    for i in picks:
+        sample = reader[i]
+        ids = sample["input_ids"].to(target.device)[None]  # [1, T]
+        aux, final = features(ids, torch.ones_like(ids))  # [1, T, A*H], [1, T, H]
+        aux, final = aux[0].float().cpu(), final[0].float().cpu()
+        hidden = manifest["hidden_size"]
+        names = [f"aux {k}" for k in manifest["aux_layers"]] + ["final"]
+        stored = list(sample["aux_hidden"].split(hidden, dim=-1)) + [sample["final_hidden"]]
+        fresh = list(aux.split(hidden, dim=-1)) + [final]
+        for name, s, f in zip(names, stored, fresh):
+            err = (s - f).abs().max().item()
+            rel = err / max(f.abs().max().item(), 1e-30)
+            rows.append({"sample": i, "sample_id": sample["sample_id"], "layer": name, "max_abs": err, "rel": rel,
+                         "ok": rel <= tol})
+            if rel > tol:
+                problems.append(f"sample {sample['sample_id']} {name}: relative error {rel:.2e} > {tol:.0e}")
+        if prepared is not None:
+            row = row_of.get(sample["sample_id"])
+            if row is None or not np.array_equal(prepared.input_ids(row), sample["input_ids"].numpy()) \
+                    or not np.array_equal(prepared.loss_mask(row), sample["loss_mask"].numpy()):
+                problems.append(f"sample {sample['sample_id']}: input_ids/loss_mask differ from the prepared data")
+    return rows, problems
+
+
+def _prepared_rows(manifest: dict):
+    """(prepared data, {sample_id: row}) the store was made from, when still there and unchanged."""
+    from eyas.store.prepared import load_prepared_arrays
+
+    info = manifest.get("prepared") or {}
+    if not info.get("path") or not (Path(info["path"]) / "dataset").is_dir():
+        return None, {}
+    prepared = load_prepared_arrays(info["path"])
+    if prepared.fingerprint != info.get("fingerprint"):
+        return None, {}
+    return prepared, {sid: r for r, sid in enumerate(prepared.sample_ids)}
+
+
+def verify_store(store: str | Path, target=None, num_samples: int = 4, seed: int = 0) -> dict:
+    """Return {"problems": [...], "layers": [...], "num_shards", "num_samples"}; no problems = valid."""
+    store = Path(store)
+    manifest = read_manifest(store)
+    problems = check_files(store, manifest)
+    rows = []
+    if num_samples > 0 and not problems:
+        if target is None:
+            from eyas.target import load_target
+
+            spec = manifest.get("target_spec")
+            if not spec:
+                raise EyasError(f"{store} does not name its target; pass --target")
+            target = load_target(spec, device="auto", dtype="fp32")  # the reference is always fp32
+        rows, more = recompute(store, manifest, target, num_samples, seed)
+        problems += more
+    return {"problems": problems, "layers": rows, "num_shards": len(committed_shards(store, manifest)),
+            "num_samples": manifest["num_samples"], "num_tokens": manifest["num_tokens"],
+            "complete": bool(manifest.get("complete")), "dtype": manifest["dtype"]}

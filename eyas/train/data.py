@@ -1,0 +1,98 @@
+"""Token-budget batches over a map-style set of samples, deterministic per (seed, epoch) and resumable.
+
+A sample is a dict with `input_ids [T]`, `loss_mask [T]` and, for a store, `aux_hidden [T, A*H]` and
+`final_hidden [T, H]`. Without stored features a `feature_fn(input_ids [B,T], attention_mask [B,T]) ->
+(aux_hidden, final_hidden)` computes them per batch (the online source). A batch is the dict of
+docs/INTERNALS.md "Training batches", right-padded.
+
+Batching: the epoch's samples are shuffled with (seed, epoch), cut into windows of 64 batches' worth
+of samples, sorted by length inside a window (little padding) and packed greedily so that
+`num_samples * longest <= batch_tokens`; then the batches are shuffled. Under DDP each rank takes every
+world_size-th batch of the same plan (the plan is truncated to a multiple of world_size so that every
+rank runs the same number of steps). A sample longer than `batch_tokens` is truncated to it.
+The data position is (epoch, index of the next batch in this rank's plan).
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from typing import Callable, Iterator
+
+import torch
+
+SAMPLES_PER_WINDOW = 256
+
+
+@dataclass
+class Batcher:
+    lengths: list[int]  # tokens per sample
+    fetch: Callable[[int], dict]  # sample index -> sample dict
+    batch_tokens: int
+    seed: int = 0
+    rank: int = 0
+    world_size: int = 1
+    feature_fn: Callable | None = None  # online source: (input_ids, attention_mask) -> (aux, final)
+
+    def __post_init__(self):
+        if not self.lengths:
+            raise ValueError("no training samples: the store or prepared data set is empty")
+
+    def plan(self, epoch: int) -> list[list[int]]:
+        """This rank's batches (lists of sample indices) for one epoch."""
+        rng = random.Random(self.seed * 1_000_003 + epoch)
+        order = list(range(len(self.lengths)))
+        rng.shuffle(order)
+        batches: list[list[int]] = []
+        for w in range(0, len(order), SAMPLES_PER_WINDOW):
+            window = sorted(order[w:w + SAMPLES_PER_WINDOW], key=lambda i: self.lengths[i])
+            current: list[int] = []
+            for i in window:
+                longest = min(self.batch_tokens, self.lengths[i])  # the window is sorted ascending
+                if current and (len(current) + 1) * longest > self.batch_tokens:
+                    batches.append(current)
+                    current = []
+                current.append(i)
+            if current:
+                batches.append(current)
+        rng.shuffle(batches)
+        usable = len(batches) - len(batches) % self.world_size
+        if usable == 0:
+            raise ValueError(f"{len(batches)} batch(es) per epoch cannot be shared by {self.world_size} ranks; "
+                             f"lower train.batch_tokens or add data")
+        return batches[:usable][self.rank::self.world_size]
+
+    def collate(self, indices: list[int], device="cpu") -> dict:
+        samples = [self.fetch(i) for i in indices]
+        lengths = [min(len(s["input_ids"]), self.batch_tokens) for s in samples]
+        b, t = len(samples), max(lengths)
+        batch = {
+            "input_ids": torch.zeros(b, t, dtype=torch.long),
+            "attention_mask": torch.zeros(b, t, dtype=torch.bool),
+            "loss_mask": torch.zeros(b, t, dtype=torch.float32),
+        }
+        has_features = "aux_hidden" in samples[0]
+        if has_features:
+            batch["aux_hidden"] = torch.zeros(b, t, samples[0]["aux_hidden"].shape[-1], dtype=samples[0]["aux_hidden"].dtype)
+            batch["final_hidden"] = torch.zeros(b, t, samples[0]["final_hidden"].shape[-1], dtype=samples[0]["final_hidden"].dtype)
+        for row, (s, n) in enumerate(zip(samples, lengths)):
+            batch["input_ids"][row, :n] = torch.as_tensor(s["input_ids"][:n], dtype=torch.long)
+            batch["attention_mask"][row, :n] = True
+            batch["loss_mask"][row, :n] = torch.as_tensor(s["loss_mask"][:n]).float()
+            if has_features:
+                batch["aux_hidden"][row, :n] = torch.as_tensor(s["aux_hidden"][:n])
+                batch["final_hidden"][row, :n] = torch.as_tensor(s["final_hidden"][:n])
+        batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+        if not has_features:
+            assert self.feature_fn is not None, "samples carry no features and no feature_fn was given"
+            aux, final = self.feature_fn(batch["input_ids"], batch["attention_mask"])
+            batch["aux_hidden"], batch["final_hidden"] = aux.clone(), final.clone()  # out of inference mode
+        return batch
+
+    def stream(self, epoch: int, start: int, device="cpu") -> Iterator[tuple[int, int, dict]]:
+        """Endless (epoch, next_index, batch) from a data position; epochs roll over."""
+        while True:
+            plan = self.plan(epoch)
+            for i in range(start, len(plan)):
+                yield epoch, i + 1, self.collate(plan[i], device)
+            epoch, start = epoch + 1, 0

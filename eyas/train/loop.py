@@ -1,0 +1,218 @@
+"""The training loop: setup, resume, loop (accumulate, clip, step, log, save), finish. Reads top to bottom.
+
+`train(cfg, out_dir, source)` is the Python entry (used by `eyas train` and the pipeline); `source` is a
+TrainSource (eyas/train/source.py), so the loop does not care whether features come from a store or
+from the target running in this process.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from eyas.common import EyasError, print0, seed_all
+from eyas.config import RunConfig
+from eyas.draft import DraftConfig, Eagle3Draft
+from eyas.train import checkpoint as ckpt
+from eyas.train import dist
+from eyas.train.metrics import MetricsLogger, peak_memory_gib
+from eyas.train.source import TrainSource
+from eyas.train.ttt import TTTResult, simulated_tau, ttt_forward
+
+
+class TTTModule(nn.Module):
+    """The draft plus its TTT loss as one module, so DDP/FSDP see one forward per micro-batch."""
+
+    def __init__(self, draft: Eagle3Draft, ttt: int, loss_decay: float, features: str):
+        super().__init__()
+        self.draft = draft
+        self.ttt, self.loss_decay, self.features = ttt, loss_decay, features
+
+    def forward(self, batch: dict, lm_head_weight: torch.Tensor) -> TTTResult:
+        return ttt_forward(self.draft, batch, lm_head_weight, self.ttt, self.loss_decay, self.features)
+
+
+def lr_lambda(total_steps: int, warmup_steps: int, min_lr_ratio: float):
+    """Linear warmup to 1, then cosine decay to min_lr_ratio at the last step."""
+    def factor(step: int) -> float:
+        if step < warmup_steps:
+            return (step + 1) / warmup_steps
+        progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
+        return min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+    return factor
+
+
+def build_draft(source: TrainSource, features: str) -> Eagle3Draft:
+    num_aux = 1 if features == "last" else len(source.aux_layers)
+    vocab = source.lm_head_weight.shape[0]
+    draft_vocab = len(source.d2t) if source.d2t is not None else vocab
+    cfg = DraftConfig.from_target_config(source.target_config, draft_vocab, num_aux)
+    if (cfg.vocab_size, cfg.hidden_size) != tuple(source.embed_weight.shape):
+        raise EyasError(f"the target config says vocab {cfg.vocab_size} x hidden {cfg.hidden_size} but its embedding is "
+                        f"{tuple(source.embed_weight.shape)}; the store's target_head does not belong to its manifest")
+    draft = Eagle3Draft(cfg)
+    draft.embed_tokens.weight.data.copy_(source.embed_weight.float())
+    if source.d2t is not None:
+        draft.set_vocab(source.d2t, source.t2d)
+    return draft
+
+
+def draft_meta(draft: Eagle3Draft, source: TrainSource, cfg: RunConfig) -> dict:
+    aux = source.aux_layers[-1:] if cfg.train.features == "last" else source.aux_layers
+    return {"draft_config": draft.cfg.to_dict(), "aux_layers": list(aux), "features": cfg.train.features,
+            "target": source.target, "target_spec": source.target_spec, "store": source.store, "ttt": cfg.train.ttt}
+
+
+def train(cfg: RunConfig, out_dir: str | Path, source: TrainSource, *, resume: bool = False,
+          device: str = "auto") -> dict:
+    """Train a draft into out_dir (checkpoints, metrics, curves); returns a summary dict."""
+    tc = cfg.train
+    info = dist.init_distributed(device)
+    try:
+        return _train(cfg, tc, Path(out_dir), source, resume, info)
+    finally:
+        dist.cleanup(info)
+
+
+def _train(cfg, tc, run_dir: Path, source: TrainSource, resume: bool, info: dist.DistInfo) -> dict:
+    # ---- setup
+    seed_all(tc.seed)
+    if info.rank == 0:
+        run_dir.mkdir(parents=True, exist_ok=True)
+    draft = build_draft(source, tc.features)
+    print0(f"draft: {draft.num_trainable_params() / 1e6:.2f}M trainable parameters "
+           f"(H {draft.cfg.hidden_size}, Vd {draft.cfg.draft_vocab_size}, fc {draft.cfg.num_aux_layers}*H -> H, "
+           f"features {tc.features}, TTT {tc.ttt})")
+    batcher = source.batcher(tc.batch_tokens, tc.seed, info.rank, info.world_size)
+    batches_per_epoch = len(batcher.plan(0))
+    total_steps = tc.steps or max(1, math.ceil(tc.epochs * batches_per_epoch / tc.grad_accum))
+    meta = draft_meta(draft, source, cfg)
+
+    state = {"step": 0, "epoch": 0, "batch_index": 0, "tokens": 0, "elapsed_s": 0.0, "last_metrics": None}
+    resumed = ckpt.latest_step_dir(run_dir) if resume else None
+    loaded = ckpt.load_checkpoint(resumed) if resumed else None
+    if loaded:
+        old = loaded["draft_meta"]
+        for key in ("draft_config", "aux_layers", "features"):
+            if old.get(key) != meta[key]:
+                raise EyasError(f"cannot resume from {resumed}: its {key} ({old.get(key)}) differs from this run's "
+                                f"({meta[key]}); use a new --out directory")
+        missing, unexpected = draft.load_state_dict(loaded["model"], strict=False)
+        assert missing == ["embed_tokens.weight"] and not unexpected, (missing, unexpected)
+        state.update(loaded["trainer_state"])
+        print0(f"resuming from {resumed} (step {state['step']}, epoch {state['epoch']}, batch {state['batch_index']})")
+
+    draft.to(info.device)
+    lm_head_weight = source.lm_head_weight.to(info.device)
+    model = dist.wrap(TTTModule(draft, tc.ttt, tc.loss_decay, tc.features), info, tc.fsdp)
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=tc.lr, betas=(0.9, 0.95), weight_decay=tc.weight_decay)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(total_steps, tc.warmup_steps, tc.min_lr_ratio))
+    if loaded:
+        dist.load_optimizer_state(model, optimizer, loaded["optim"]["optimizer"], tc.fsdp)
+        scheduler.load_state_dict(loaded["optim"]["scheduler"])
+        ckpt.set_rng_state(loaded["rng"])
+    amp_dtype = {"bf16": torch.bfloat16, "fp32": None}.get(tc.dtype, torch.bfloat16 if info.device.type == "cuda" else None)
+    autocast = (lambda: torch.autocast(info.device.type, dtype=amp_dtype)) if amp_dtype else contextlib.nullcontext
+    logger = MetricsLogger(run_dir, info.rank == 0, resume_step=state["step"] if loaded else None)
+    stream = batcher.stream(state["epoch"], state["batch_index"], info.device)
+    if info.device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(info.device)
+
+    def save(step: int) -> None:
+        model_state = dist.model_state(model, tc.fsdp)
+        model_state = {k.removeprefix("module.").removeprefix("draft."): v for k, v in model_state.items()}
+        optim = {"optimizer": dist.optimizer_state(model, optimizer, tc.fsdp), "scheduler": scheduler.state_dict()}
+        if info.rank == 0:
+            ckpt.save_checkpoint(run_dir, step, model_state, optim, dict(state), meta, cfg, tc.keep_last)
+
+    # ---- loop
+    print0(f"training {total_steps} steps ({batches_per_epoch} batches/epoch/rank, {info.world_size} rank(s), "
+           f"grad_accum {tc.grad_accum}, {tc.batch_tokens} tokens/micro-batch) -> {run_dir}")
+    window = _Window(tc.ttt)
+    t_start = time.perf_counter() - state["elapsed_s"]
+    while state["step"] < total_steps:
+        for micro in range(tc.grad_accum):
+            state["epoch"], state["batch_index"], batch = next(stream)
+            last = micro == tc.grad_accum - 1
+            sync = model.no_sync() if (info.enabled and not tc.fsdp and not last) else contextlib.nullcontext()
+            with sync:
+                with autocast():
+                    res = model(batch, lm_head_weight)
+                (res.loss / tc.grad_accum).backward()
+            window.add(res, int(batch["attention_mask"].sum()))
+        torch.nn.utils.clip_grad_norm_(params, tc.grad_clip)
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        state["step"] += 1
+        step = state["step"]
+        if step % tc.log_every == 0 or step == total_steps:
+            rec = window.record(step, scheduler.get_last_lr()[0], tc.loss_decay, info)
+            rec["peak_mem_GiB"] = peak_memory_gib(info.device)
+            state["tokens"] += rec.pop("_tokens")
+            state["elapsed_s"] = rec["elapsed_s"] = time.perf_counter() - t_start
+            state["last_metrics"] = rec
+            logger.log(rec, total_steps, tc.ttt)
+        if step % tc.save_every == 0 or step == total_steps:
+            state["elapsed_s"] = time.perf_counter() - t_start
+            save(step)
+
+    # ---- finish
+    curves = logger.close(tc.ttt)
+    last = state["last_metrics"] or {}
+    summary = {
+        "run_dir": str(run_dir), "steps": total_steps, "epochs": state["epoch"], "tokens": state["tokens"],
+        "elapsed_s": round(state["elapsed_s"], 2), "checkpoint": str(run_dir / "latest"),
+        "curves": str(curves) if curves else None,
+        "trainable_params": draft.num_trainable_params(), **{k: v for k, v in last.items() if k != "step"},
+    }
+    if info.rank == 0:
+        ckpt.write_summary(run_dir, summary)
+        accs = " ".join(f"{last.get(f'acc_{k}', 0):.2f}" for k in range(tc.ttt))
+        print0(f"trained {total_steps} steps in {summary['elapsed_s']:.0f} s; final loss {last.get('loss', float('nan')):.3f}, "
+               f"acc_0..{tc.ttt - 1} {accs}, simulated tau {last.get('tau_sim', float('nan')):.2f}; "
+               f"checkpoint {run_dir / 'latest'}")
+    return summary
+
+
+class _Window:
+    """Sums over one logging interval (micro-batches of all ranks), turned into a record."""
+
+    def __init__(self, ttt: int):
+        self.ttt = ttt
+        self.reset()
+
+    def reset(self):
+        self.loss_sum = [0.0] * self.ttt
+        self.correct = [0.0] * self.ttt
+        self.count = [0.0] * self.ttt
+        self.tokens = 0.0
+        self.t0 = time.perf_counter()
+
+    def add(self, res: TTTResult, tokens: int):
+        for k in range(self.ttt):
+            self.loss_sum[k] += res.loss_k[k] * res.count_k[k]
+            self.correct[k] += res.correct_k[k]
+            self.count[k] += res.count_k[k]
+        self.tokens += tokens
+
+    def record(self, step: int, lr: float, decay: float, info) -> dict:
+        k_ = self.ttt
+        sums = dist.all_reduce_sum(self.loss_sum + self.correct + self.count + [self.tokens], info)
+        loss_sum, correct, count, tokens = sums[:k_], sums[k_:2 * k_], sums[2 * k_:3 * k_], sums[-1]
+        seconds = time.perf_counter() - self.t0
+        loss_k = [loss_sum[k] / max(count[k], 1) for k in range(k_)]
+        acc_k = [correct[k] / max(count[k], 1) for k in range(k_)]
+        rec = {"step": step, "loss": sum(decay ** k * loss_k[k] for k in range(k_))}
+        rec.update({f"loss_{k}": loss_k[k] for k in range(k_)})
+        rec.update({f"acc_{k}": acc_k[k] for k in range(k_)})
+        rec.update({"tau_sim": simulated_tau(acc_k), "lr": lr, "tokens_per_s": tokens / max(seconds, 1e-9),
+                    "_tokens": int(tokens)})
+        self.reset()
+        return rec

@@ -1,0 +1,168 @@
+"""Training-time test (REFERENCE.md section 3): K unrolled draft steps, vectorised over all positions.
+
+Index arithmetic (t = the anchor position, k = the step, 0-based):
+
+    step k at anchor t feeds    hidden h_k[t]  (h_0 = fc(aux[t]); h_k = the step k-1 pre-norm output at t)
+                                token  ids[t + 1 + k]
+                                RoPE position t + k
+                      predicts  token ids[t + 2 + k], trained towards the target's distribution at
+                                position t + 1 + k  (softmax(lm_head(final[t + 1 + k])) on the draft vocab)
+                      counted   iff loss_mask[t + 2 + k] (the predicted token is an assistant token) and
+                                attention_mask[t + 2 + k] (it is a real token)
+
+Attention of step k at anchor t: every step-0 key at positions <= t (causal) plus, for j in 1..k, the
+step-j key at the same anchor t (a diagonal, one dot product each), under one fp32 softmax. This is
+exactly what chain drafting sees at inference when the committed prefix ends at t (the test
+tests/train/test_ttt.py proves it against `Eagle3Draft.forward` with its KV cache). With right padding
+and causal attention, no real position ever sees a padded one.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from eyas.draft import Eagle3Draft, rope_cos_sin
+
+
+def shift_left(x: torch.Tensor, n: int) -> torch.Tensor:
+    """x[:, n:] padded with zeros at the end, so that out[:, t] = x[:, t + n]."""
+    if n == 0:
+        return x
+    return torch.cat([x[:, n:], torch.zeros_like(x[:, :n])], dim=1)
+
+
+@dataclass
+class TargetView:
+    """The target's side of a batch, at the positions some step needs (rows of the flat [B*T])."""
+
+    probs: torch.Tensor  # [N, Vd] fp32 target distribution on the draft vocab, renormalised
+    argmax: torch.Tensor  # [N] target argmax over the full vocabulary (target ids)
+    row_of: torch.Tensor  # [B*T] row in `probs` of each flat position, -1 where not needed
+
+
+@torch.no_grad()
+def target_view(final_hidden, need, lm_head_weight, draft_target_ids, chunk: int = 4096) -> TargetView:
+    """Target distributions at the flat positions where `need` [B, T] is True.
+
+    final_hidden [B, T, H]; lm_head_weight [V, H]; draft_target_ids [Vd] = arange(Vd) + d2t.
+    Softmax over the draft-vocab subset of the logits IS the restricted, renormalised distribution.
+    Work is chunked over positions so the full [N, V] logits never exist at once.
+    """
+    flat = need.reshape(-1)
+    rows = flat.nonzero().squeeze(1)  # [N]
+    hidden = final_hidden.reshape(-1, final_hidden.shape[-1])[rows].to(lm_head_weight.dtype)  # [N, H]
+    sub_weight = lm_head_weight[draft_target_ids]  # [Vd, H]
+    probs, argmax = [], []
+    for i in range(0, hidden.shape[0], chunk):
+        h = hidden[i:i + chunk]
+        probs.append((h @ sub_weight.T).float().softmax(-1))  # [n, Vd]
+        argmax.append((h @ lm_head_weight.T).argmax(-1))  # [n]
+    vd = sub_weight.shape[0]
+    row_of = torch.full_like(flat, -1, dtype=torch.long)
+    row_of[rows] = torch.arange(len(rows), device=rows.device)
+    if not probs:
+        return TargetView(hidden.new_zeros(0, vd, dtype=torch.float32), rows.new_zeros(0), row_of)
+    return TargetView(torch.cat(probs), torch.cat(argmax), row_of)
+
+
+def ttt_attention(q, k0, v0, diag_k, diag_v, causal, scale):
+    """q [B, nh, T, d]; step-0 k0/v0 [B, nkv, T, d]; diag_k/diag_v: lists of [B, nkv, T, d] -> [B, T, nh*d]."""
+    b, nh, t, d = q.shape
+    nkv = k0.shape[1]
+    qg = q.view(b, nkv, nh // nkv, t, d)  # query head h uses kv head h // (nh // nkv)
+    scores = (qg @ k0.unsqueeze(2).transpose(-1, -2)).float() * scale  # [B, nkv, g, T, T]
+    scores = scores.masked_fill(~causal, float("-inf"))
+    diag = [(qg * kj.unsqueeze(2)).sum(-1, keepdim=True).float() * scale for kj in diag_k]  # each [B, nkv, g, T, 1]
+    probs = torch.cat([scores, *diag], dim=-1).softmax(dim=-1)  # one fp32 softmax over T + k keys
+    out = probs[..., :t].to(v0.dtype) @ v0.unsqueeze(2)  # [B, nkv, g, T, d]
+    for j, vj in enumerate(diag_v):
+        out = out + probs[..., t + j:t + j + 1].to(vj.dtype) * vj.unsqueeze(2)
+    return out.reshape(b, nh, t, d).transpose(1, 2).reshape(b, t, nh * d)
+
+
+@dataclass
+class TTTResult:
+    loss: torch.Tensor  # scalar: sum_k decay**k * loss_k (differentiable)
+    loss_k: list[float]  # per-step mean soft cross-entropy
+    correct_k: list[int]  # per-step count of draft argmax == target argmax
+    count_k: list[int]  # per-step count of positions in the loss
+    logits_k: list[torch.Tensor] | None = None  # per-step [B, T, Vd], only with return_logits
+
+
+def ttt_forward(draft: Eagle3Draft, batch: dict, lm_head_weight: torch.Tensor, ttt: int,
+                loss_decay: float = 0.8, features: str = "fused", return_logits: bool = False) -> TTTResult:
+    """The unrolled TTT loss of one batch (see the module docstring for the index arithmetic).
+
+    batch: input_ids [B, T] int64, attention_mask [B, T] bool, loss_mask [B, T], aux_hidden [B, T, A*H],
+    final_hidden [B, T, H]. `features="last"` keeps only the last aux state (EAGLE-2-style baseline).
+    """
+    cfg = draft.cfg
+    layer = draft.layers[0]
+    attn = layer.self_attn
+    ids = batch["input_ids"]
+    b, t = ids.shape
+    aux = batch["aux_hidden"]
+    if features == "last":
+        aux = aux[..., -cfg.hidden_size:]
+    param_dtype = draft.fc.weight.dtype
+    h = draft.fuse(aux.to(param_dtype))  # [B, T, H]
+
+    # need[j]: position j's target distribution is used (by step k at anchor j - 1 - k)
+    counted = batch["loss_mask"].bool() & batch["attention_mask"].bool()  # [B, T]
+    need = shift_left(counted, 1)
+    draft_target_ids = torch.arange(cfg.draft_vocab_size, device=ids.device) + draft.d2t
+    target = target_view(batch["final_hidden"], need, lm_head_weight, draft_target_ids)
+
+    pos = torch.arange(t, device=ids.device).expand(b, t)  # [B, T]
+    flat_pos = torch.arange(b * t, device=ids.device)
+    causal = torch.ones(t, t, dtype=torch.bool, device=ids.device).tril()
+    scale = 1.0 / math.sqrt(cfg.head_dim)
+    k0 = v0 = None
+    diag_k, diag_v = [], []
+    loss = h.new_zeros((), dtype=torch.float32)
+    result = TTTResult(loss, [], [], [], [] if return_logits else None)
+    for k in range(ttt):
+        embeds = draft.embed_tokens(shift_left(ids, 1 + k)).to(h.dtype)  # [B, T, H]
+        cos, sin = rope_cos_sin(cfg, pos + k, h.dtype)
+        q, kk, vv = attn.qkv(layer.attn_input(embeds, h), cos, sin)  # q [B, nh, T, d]; kk, vv [B, nkv, T, d]
+        if k == 0:
+            k0, v0 = kk, vv
+        else:
+            diag_k.append(kk)
+            diag_v.append(vv)
+        h = layer.finish(h, attn.o_proj(ttt_attention(q, k0, v0, diag_k, diag_v, causal, scale)))  # [B, T, H]
+
+        valid = shift_left(counted, 2 + k).reshape(-1)  # [B*T]: anchor t predicts token t + 2 + k
+        anchors = flat_pos[valid]  # [N_k]
+        rows = target.row_of[anchors + 1 + k]
+        flat_h = h.reshape(b * t, -1)
+        if return_logits:
+            all_logits = draft.lm_head(draft.norm(flat_h))  # [B*T, Vd]
+            result.logits_k.append(all_logits.view(b, t, -1))
+            logits = all_logits[anchors]
+        else:
+            logits = draft.lm_head(draft.norm(flat_h[anchors]))  # [N_k, Vd]
+        n = len(anchors)
+        # soft cross-entropy = forward KL to the target distribution up to a constant
+        loss_k = F.cross_entropy(logits.float(), target.probs[rows], reduction="sum") / max(n, 1)
+        loss = loss + (loss_decay ** k) * loss_k
+        with torch.no_grad():
+            predicted = draft_target_ids[logits.argmax(-1)]  # draft argmax as target ids
+            result.correct_k.append(int((predicted == target.argmax[rows]).sum()))
+        result.loss_k.append(float(loss_k.detach()))
+        result.count_k.append(n)
+    result.loss = loss
+    return result
+
+
+def simulated_tau(acc_k: list[float]) -> float:
+    """Offline proxy of the acceptance length: 1 + sum_k prod_{i<=k} acc_i."""
+    tau, run = 1.0, 1.0
+    for a in acc_k:
+        run *= a
+        tau += run
+    return tau

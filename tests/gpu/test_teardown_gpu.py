@@ -1,0 +1,74 @@
+"""On a real GPU: a stage's memory is released after teardown (as NVML sees it), and a foreign
+process holding memory makes the runner refuse and survives. Skipped without CUDA (tests/conftest.py)."""
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from eyas.common import EyasError
+from eyas.config import load_config
+from eyas.gpu import nvml
+from eyas.pipeline import Cmd, RunOptions, Stage, StageFailed, run_pipeline
+
+# Holds 2 GiB on the GPU, forks a child that holds 1 GiB and ignores SIGTERM, then exits or hangs.
+HOG = r"""
+import os, signal, subprocess, sys, time
+import torch
+x = torch.empty(2 << 30, dtype=torch.uint8, device="cuda")
+child = subprocess.Popen([sys.executable, "-c",
+    "import signal, time, torch; signal.signal(signal.SIGTERM, signal.SIG_IGN);"
+    "y = torch.empty(1 << 30, dtype=torch.uint8, device='cuda'); torch.cuda.synchronize();"
+    "open(%r, 'w').write('ready'); time.sleep(1000)" % (sys.argv[2],)])
+while not os.path.exists(sys.argv[2]):
+    time.sleep(0.05)
+os.makedirs(sys.argv[3], exist_ok=True)
+if sys.argv[1] == "hang":
+    time.sleep(1000)
+"""
+
+pytestmark = pytest.mark.skipif(not nvml.available(), reason="needs NVML (an NVIDIA driver)")
+
+
+def hog_stage(tmp_path: Path, mode: str, timeout_s: float = 0.0) -> Stage:
+    script = tmp_path / "hog.py"
+    script.write_text(HOG)
+    ready = tmp_path / f"ready-{mode}"
+    return Stage("hog", (), "hog", (), "one",
+                 lambda ctx: [Cmd([sys.executable, str(script), mode, str(ready), str(ctx.run / "hog")])],
+                 timeout_s=timeout_s)
+
+
+@pytest.mark.parametrize("mode", ["ok", "hang"])
+def test_stage_memory_is_released_after_teardown(tmp_path, mode):
+    before = nvml.used_mib([0])[0]
+    opts = RunOptions(gpus=[0], grace_s=2.0, release_timeout_s=60.0, echo=False)
+    stage = hog_stage(tmp_path, mode, timeout_s=20.0 if mode == "hang" else 0.0)
+    if mode == "hang":
+        with pytest.raises(StageFailed, match="timed out") as err:
+            run_pipeline(load_config("tiny"), tmp_path / "run", opts, (stage,))
+        assert "not released" not in str(err.value)
+    else:
+        run_pipeline(load_config("tiny"), tmp_path / "run", opts, (stage,))
+    # the runner already waited for release; check NVML ourselves as well
+    assert nvml.used_mib([0])[0] - before < opts.tolerance_mib
+
+
+def test_foreign_holder_makes_the_runner_refuse_and_survives(tmp_path):
+    foreign = subprocess.Popen([sys.executable, "-c", "import time, torch; x = torch.empty(1 << 30, "
+                                "dtype=torch.uint8, device='cuda'); torch.cuda.synchronize(); time.sleep(1000)"])
+    try:
+        deadline = time.monotonic() + 60
+        while not nvml.holders([0]) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert nvml.holders([0]), "NVML never listed the foreign process"
+        opts = RunOptions(gpus=[0], echo=False)
+        with pytest.raises(EyasError, match="did not start"):
+            run_pipeline(load_config("tiny"), tmp_path / "run", opts, (hog_stage(tmp_path, "ok"),))
+        assert foreign.poll() is None
+        assert not (tmp_path / "run" / "hog").exists()
+    finally:
+        foreign.kill()
+        foreign.wait()

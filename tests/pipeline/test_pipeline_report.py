@@ -1,0 +1,43 @@
+"""The run report reads what the stages wrote, defensively, and `eyas gpus` says when there is no GPU."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from eyas.config import load_config
+from eyas.gpu import nvml
+from eyas.pipeline import write_report
+
+
+def test_report_from_stage_outputs(tmp_path):
+    run = tmp_path
+    (run / "store").mkdir()
+    (run / "store" / "manifest.json").write_text(json.dumps({"num_samples": 48, "num_tokens": 4800, "dtype": "fp32",
+                                                             "shards": [{"file": "shard-00000.safetensors"}]}))
+    (run / "train").mkdir()
+    (run / "train" / "metrics.jsonl").write_text('{"step": 6, "loss": 2.5}\n{"step": 12, "loss": 1.25}\n')
+    (run / "eval").mkdir()
+    (run / "eval" / "mt-bench-chain3.json").write_text(json.dumps(
+        {"summary": {"tau": 1.75, "tau_per_request": 1.7, "per_position": [0.5, 0.25, 0.1], "speedup": 1.2}}))
+    (run / "eval" / "broken-chain3.json").write_text("{not json")
+    (run / "export" / "vllm").mkdir(parents=True)
+    (run / "export" / "vllm" / "README.md").write_text("```\nvllm serve /models/t --speculative-config '{}'\n```\n")
+    state = {"capture": {"status": "done", "wall_s": 2.0, "devices": [0]}, "train": {"status": "done", "wall_s": 4.0}}
+    summary = write_report(run, load_config("tiny"), state)
+    md = (run / "report.md").read_text()
+    assert "| capture | done | 2.0 s | 2400 tok/s | 0 |" in md
+    assert "| train | done | 4.0 s | 3 steps/s | cpu |" in md
+    assert "| mt-bench-chain3 | 1.750 | 1.700 | 1.200 |" in md and "| broken-chain3 | ? |" in md
+    assert "vllm serve /models/t --speculative-config '{}'" in md  # the export's own line wins
+    assert "sglang.launch_server --model-path tiny" in md and "--speculative-num-draft-tokens 4" in md
+    assert (run / "acceptance.png").exists()
+    assert any("tau 1.750" in line for line in summary)
+
+
+@pytest.mark.skipif(nvml.available(), reason="a GPU is present")
+def test_gpus_says_when_there_is_no_driver():
+    res = subprocess.run([sys.executable, "-m", "eyas", "gpus"], capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0
+    assert "nothing to list" in res.stdout and ("NVIDIA driver" in res.stdout or "nvidia-ml-py" in res.stdout)

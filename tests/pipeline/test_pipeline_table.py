@@ -1,0 +1,184 @@
+"""The stage table: skip what is done, resume what was interrupted, rerun what changed; capture and
+training at once on disjoint device sets; foreign GPU holders make the runner refuse (or wait).
+
+The runner is the real one, in process; the stages are fake_stage.py (pipeline_fakes.py).
+"""
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from pipeline_fakes import fake_stage
+
+from eyas.common import EyasError
+from eyas.config import load_config
+from eyas.gpu import nvml
+from eyas.pipeline import STAGES, RunOptions, StageFailed, run_pipeline
+
+QUIET = RunOptions(echo=False, grace_s=0.5)
+
+
+def started(record: Path) -> list[dict]:
+    if not record.exists():
+        return []
+    return [r for r in map(json.loads, record.read_text().splitlines()) if r["result"] == "started"]
+
+
+def counts(record: Path) -> dict[str, int]:
+    found: dict[str, int] = {}
+    for r in started(record):
+        found[r["name"]] = found.get(r["name"], 0) + 1
+    return found
+
+
+def chain(tmp_path: Path, fail_flag: Path | None = None):
+    rec = ["--record", str(tmp_path / "record.jsonl")]
+    fail = ["--fail-if", str(fail_flag)] if fail_flag else []
+    return (fake_stage("a", "a", rec, config=["data"]),
+            fake_stage("b", "b", rec + fail, reads=["a"], config=["train"]),
+            fake_stage("c", "c", rec, reads=["b"], config=["eval"]))
+
+
+def status(run: Path) -> dict[str, str]:
+    return {k: v["status"] for k, v in json.loads((run / "stages.json").read_text()).items()}
+
+
+def test_skip_rerun_on_change_and_removed_output(tmp_path):
+    run, record, stages = tmp_path / "run", tmp_path / "record.jsonl", chain(tmp_path)
+    run_pipeline(load_config("tiny"), run, QUIET, stages)
+    assert counts(record) == {"a": 1, "b": 1, "c": 1}
+    assert (run / "report.md").exists() and (run / "config.yaml").exists()
+
+    t0 = time.monotonic()
+    run_pipeline(load_config("tiny"), run, QUIET, stages)
+    assert time.monotonic() - t0 < 2.0
+    assert counts(record) == {"a": 1, "b": 1, "c": 1}  # all skipped
+
+    (run / "b" / "stale").write_text("from the old config")
+    run_pipeline(load_config("tiny", ["train.lr=0.5"]), run, QUIET, stages)
+    assert counts(record) == {"a": 1, "b": 2, "c": 2}  # b's config changed, so did c's input
+    assert not (run / "b" / "stale").exists()
+    assert started(record)[-2]["resume"] is False
+
+    (run / "c" / "item-0").unlink()
+    run_pipeline(load_config("tiny", ["train.lr=0.5"]), run, QUIET, stages)
+    assert counts(record) == {"a": 1, "b": 2, "c": 3}
+    assert status(run) == {"a": "done", "b": "done", "c": "done"}
+
+
+def test_failed_stage_resumes_and_later_stages_wait(tmp_path):
+    run, record, flag = tmp_path / "run", tmp_path / "record.jsonl", tmp_path / "break-b"
+    flag.write_text("")
+    stages = chain(tmp_path, flag)
+    with pytest.raises(StageFailed, match="b exited with code 3"):
+        run_pipeline(load_config("tiny"), run, QUIET, stages)
+    assert status(run) == {"a": "done", "b": "failed"}
+    flag.unlink()
+    run_pipeline(load_config("tiny"), run, QUIET, stages)
+    assert counts(record) == {"a": 1, "b": 2, "c": 1}
+    assert started(record)[-2] | {"t_start": 0, "pid": 0} == {
+        "name": "b", "pid": 0, "resume": True, "tail": False, "cuda": None, "t_start": 0, "result": "started"}
+
+
+def overlap_stages(tmp_path: Path, capture_args=()):
+    rec = ["--record", str(tmp_path / "record.jsonl")]
+    store = tmp_path / "run" / "store"
+    return (fake_stage("capture", "store", rec + ["--items", "4", "--delay", "0.15", *capture_args], gpus="all"),
+            fake_stage("train", "train", rec + ["--follow", str(store)], reads=["store"], gpus="all",
+                       tails="capture"))
+
+
+def by_name(record: Path) -> dict[str, dict]:
+    found = {}
+    for r in map(json.loads, record.read_text().splitlines()):
+        found.setdefault(r["name"], {}).update(r)
+    return found
+
+
+def test_capture_and_train_share_time_on_disjoint_gpus(tmp_path):
+    run_pipeline(load_config("tiny"), tmp_path / "run", RunOptions(gpus=[0, 1, 2], echo=False),
+                 overlap_stages(tmp_path))
+    r = by_name(tmp_path / "record.jsonl")
+    assert r["capture"]["cuda"] == "0,1" and r["train"]["cuda"] == "2"
+    assert r["train"]["tail"] and not r["capture"]["tail"]
+    assert r["train"]["t_start"] < r["capture"]["t_end"]  # training started while capture still wrote
+    assert status(tmp_path / "run") == {"capture": "done", "train": "done"}
+
+
+@pytest.mark.parametrize("gpus", [[0], []])
+def test_one_gpu_or_none_runs_stages_one_after_another(tmp_path, gpus):
+    run_pipeline(load_config("tiny"), tmp_path / "run", RunOptions(gpus=gpus, echo=False), overlap_stages(tmp_path))
+    r = by_name(tmp_path / "record.jsonl")
+    assert r["train"]["t_start"] >= r["capture"]["t_end"] and not r["train"]["tail"]
+    assert r["capture"]["cuda"] == r["train"]["cuda"] == ("0" if gpus else None)
+
+
+def test_a_failed_capture_ends_the_training_that_tails_it(tmp_path):
+    with pytest.raises(StageFailed, match="capture exited"):
+        run_pipeline(load_config("tiny"), tmp_path / "run", RunOptions(gpus=[0, 1], echo=False, grace_s=0.5),
+                     overlap_stages(tmp_path, ["--mode", "fail"]))
+    assert status(tmp_path / "run") == {"capture": "failed", "train": "failed"}
+    assert "t_end" not in by_name(tmp_path / "record.jsonl").get("train", {})
+    recs = json.loads((tmp_path / "run" / "processes.json").read_text())["stages"]
+    assert all(r["ended"] for r in recs)
+
+
+@pytest.fixture
+def foreign_gpu_holder(monkeypatch):
+    """NVML as seen on a GPU where a process of someone else's holds memory on device 0."""
+    decoy = subprocess.Popen(["sleep", "1000"])
+    polls = {"n": 0}
+
+    def holders(devices=None):
+        polls["n"] += 1
+        if polls["n"] > polls.get("free_after", 10**9):
+            return []
+        return [nvml.Holder(0, decoy.pid, "someone", "sleep 1000", 512.0)]
+
+    monkeypatch.setattr(nvml, "available", lambda: True)
+    monkeypatch.setattr(nvml, "holders", holders)
+    monkeypatch.setattr(nvml, "used_mib", lambda devices: {d: 512.0 for d in devices})
+    yield decoy, polls
+    decoy.kill()
+    decoy.wait()
+
+
+def test_foreign_gpu_holder_makes_the_runner_refuse(tmp_path, foreign_gpu_holder):
+    decoy, _ = foreign_gpu_holder
+    record = tmp_path / "record.jsonl"
+    stage = fake_stage("prepare", "prepared", ["--record", str(record)], gpus="one")
+    with pytest.raises(EyasError, match=rf"(?s)did not start.*{decoy.pid}.*someone.*sleep 1000"):
+        run_pipeline(load_config("tiny"), tmp_path / "run", RunOptions(gpus=[0], echo=False), (stage,))
+    assert decoy.poll() is None and not record.exists()
+
+
+def test_wait_for_gpus_waits_for_the_foreign_holder_to_leave(tmp_path, foreign_gpu_holder):
+    _, polls = foreign_gpu_holder
+    polls["free_after"] = 2
+    record = tmp_path / "record.jsonl"
+    stage = fake_stage("prepare", "prepared", ["--record", str(record)], gpus="one")
+    run_pipeline(load_config("tiny"), tmp_path / "run", RunOptions(gpus=[0], wait_for_gpus=30, echo=False), (stage,))
+    assert counts(record) == {"prepare": 1}
+
+
+def test_real_stage_table_commands(tmp_path):
+    """The real table names each stage command with the run's config and paths (no stage is run)."""
+    from eyas.pipeline import Ctx
+
+    cfg = load_config("tiny")
+    names = [s.name for s in STAGES if s.when(cfg)]
+    assert names == ["prepare", "capture", "train", "eval", "export"]
+    ctx = Ctx(cfg, tmp_path, num_devices=2, resume=True, tail=True)
+    argv = {s.name: [c.argv for c in s.commands(ctx)] for s in STAGES}
+    assert argv["capture"][0][:4] == [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    assert "--tail" in argv["train"][0] and "--resume" in argv["train"][0]
+    assert len(argv["eval"]) == 2 and argv["eval"][1][argv["eval"][1].index("--tree") + 1] == "2,3,6"
+    (export,) = argv["export"]
+    assert export[export.index("--to") + 1] == "sglang,vllm,speculators" and export[-1] == str(tmp_path / "export")
+    online = load_config("tiny", ["capture.mode=online"])
+    assert [s.name for s in STAGES if s.when(online)] == ["prepare", "train", "eval", "export"]
+    train = next(s for s in STAGES if s.name == "train").commands(Ctx(online, tmp_path, 1, False, False))[0].argv
+    assert train[train.index("--source") + 1] == "online" and train[:3] == [sys.executable, "-m", "eyas"]

@@ -1,0 +1,130 @@
+"""Stage processes are ended as a whole group on every path, and nothing else is ever touched.
+
+Real processes throughout: the runner is eyas's own (run as a subprocess, so it can be interrupted and
+killed), the stages are fake_stage.py, which leaves a child shell, a sleeping child and two grandchildren
+behind, one of them (and the shell) ignoring SIGTERM.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from eyas.gpu.procs import proc_info, start_time
+
+HERE = Path(__file__).resolve().parent
+RUNNER = str(HERE / "pipeline_fakes.py")
+
+
+def alive(pid: int) -> bool:
+    info = proc_info(pid)
+    return info is not None and info.state != "Z"
+
+
+def wait_until(cond, timeout=15.0, what="condition"):
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.02)
+
+
+def listed_pids(path: Path) -> dict[str, int]:
+    return {role: int(pid) for role, pid in (ln.split() for ln in path.read_text().splitlines())}
+
+
+@pytest.fixture
+def decoy():
+    """A process of the test, outside every stage, named like the stage's own children."""
+    p = subprocess.Popen(["sleep", "1000"])
+    yield p
+    p.kill()
+    p.wait()
+
+
+def start_runner(tmp_path: Path, stage_args: list[str], timeout_s=0.0, name="spec.json") -> subprocess.Popen:
+    spec = {"run": str(tmp_path / "run"), "opts": {"grace_s": 0.5, "echo": False},
+            "stages": [{"name": "work", "writes": "work", "args": stage_args, "timeout_s": timeout_s}]}
+    (tmp_path / name).write_text(json.dumps(spec))
+    out = open(tmp_path / f"{name}.out", "w")
+    return subprocess.Popen([sys.executable, RUNNER, str(tmp_path / name)], stdout=out, stderr=subprocess.STDOUT)
+
+
+EXPECTED = {"success": (0, "done"), "failure": (2, "failed"), "timeout": (2, "timeout"),
+            "ctrl-c": (130, "interrupted"), "sigterm": (128 + signal.SIGTERM, "interrupted")}
+
+
+@pytest.mark.parametrize("path", list(EXPECTED))
+def test_stage_group_is_gone_and_decoy_survives(tmp_path, decoy, path):
+    pids_file = tmp_path / "pids"
+    mode = {"success": "ok", "failure": "fail"}.get(path, "hang")
+    runner = start_runner(tmp_path, ["--spawn", "--pids", str(pids_file), "--mode", mode],
+                          timeout_s=1.0 if path == "timeout" else 0.0)
+    wait_until(lambda: pids_file.exists() and len(pids_file.read_text().splitlines()) == 5, what="stage pids")
+    pids = listed_pids(pids_file)
+    if path in ("ctrl-c", "sigterm"):
+        assert all(alive(p) for p in pids.values())
+        runner.send_signal(signal.SIGINT if path == "ctrl-c" else signal.SIGTERM)
+    rc = runner.wait(timeout=30)
+    log = (tmp_path / "spec.json.out").read_text()
+    want_rc, want_status = EXPECTED[path]
+    assert rc == want_rc, log
+    assert [role for role, p in pids.items() if alive(p)] == [], log
+    assert alive(decoy.pid)
+    run = tmp_path / "run"
+    assert json.loads((run / "stages.json").read_text())["work"]["status"] == want_status
+    (rec,) = json.loads((run / "processes.json").read_text())["stages"]
+    assert rec["ended"] and rec["pid"] == pids["leader"] == rec["pgid"] and rec["devices"] == []
+    assert rec["start_ticks"] > 0
+
+
+@pytest.mark.parametrize("leader_dies", [False, True])
+def test_orphans_of_a_killed_runner_are_ended_and_the_stage_resumes(tmp_path, decoy, leader_dies):
+    pids_file, record = tmp_path / "pids", tmp_path / "record.jsonl"
+    runner = start_runner(tmp_path, ["--spawn", "--pids", str(pids_file), "--mode", "hang"])
+    wait_until(lambda: pids_file.exists() and len(pids_file.read_text().splitlines()) == 5, what="stage pids")
+    pids = listed_pids(pids_file)
+    runner.kill()
+    runner.wait()
+    assert all(alive(p) for p in pids.values())  # kill -9 of the runner leaves the stage behind
+    if leader_dies:  # then its children are found by the token in their environment
+        os.kill(pids["leader"], signal.SIGKILL)
+        wait_until(lambda: not alive(pids["leader"]), what="the leader to go")
+
+    again = start_runner(tmp_path, ["--record", str(record)], name="spec2.json")
+    rc = again.wait(timeout=30)
+    log = (tmp_path / "spec2.json.out").read_text()
+    assert rc == 0, log
+    assert "orphaned" in log
+    assert [role for role, p in pids.items() if alive(p)] == [], log
+    assert alive(decoy.pid)
+    runs = [json.loads(ln) for ln in record.read_text().splitlines()]
+    assert runs[0]["resume"] is True  # partial output and unchanged inputs: the stage resumed
+    assert json.loads((tmp_path / "run" / "stages.json").read_text())["work"]["status"] == "done"
+
+
+def test_a_reused_pid_is_left_alone(tmp_path):
+    decoy = subprocess.Popen(["sleep", "1000"], start_new_session=True)
+    gone = subprocess.Popen(["true"])
+    gone.wait()  # a pid that no longer runs; the decoy's group id with a token it does not carry
+    try:
+        run = tmp_path / "run"
+        run.mkdir()
+        fake = {"stage": "work", "pgid": decoy.pid, "token": "0123456789abcdef", "devices": [], "ended": False}
+        records = [dict(fake, pid=decoy.pid, start_ticks=start_time(decoy.pid) + 7),
+                   dict(fake, pid=gone.pid, start_ticks=1)]
+        (run / "processes.json").write_text(json.dumps({"stages": records}))
+        runner = start_runner(tmp_path, [])
+        rc = runner.wait(timeout=30)
+        log = (tmp_path / "spec.json.out").read_text()
+        assert rc == 0, log
+        assert "left alone" in log
+        assert alive(decoy.pid)
+    finally:
+        decoy.kill()
+        decoy.wait()

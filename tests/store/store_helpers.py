@@ -1,0 +1,27 @@
+"""Helpers for store tests: prepared directories built directly (the layout of docs/INTERNALS.md)."""
+
+import numpy as np
+
+
+def make_prepared(path, num_samples=24, vocab=259, min_len=5, max_len=40, seed=0):
+    """A prepared dir with random token ids (< vocab) and an assistant-like loss mask on the tail."""
+    import datasets
+
+    rng = np.random.default_rng(seed)
+    lengths = rng.integers(min_len, max_len + 1, size=num_samples)
+    ids, masks = [], []
+    for n in lengths:
+        ids.append(rng.integers(0, vocab, size=n).astype(np.int32).tolist())
+        start = int(rng.integers(1, n))
+        masks.append([0] * start + [1] * (n - start))
+    datasets.Dataset.from_dict({
+        "sample_id": [f"s{i:04d}" for i in range(num_samples)], "input_ids": ids, "loss_mask": masks,
+    }).save_to_disk(str(path / "dataset"))
+    return path
+
+
+def tiny_cfg(**capture):
+    from eyas.config import load_config
+
+    sets = [f"capture.{k}={v}" for k, v in capture.items()]
+    return load_config("tiny", ["target.device=cpu", *sets])

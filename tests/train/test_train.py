@@ -1,0 +1,110 @@
+"""The training loop: learning, checkpoint layout, resume after kill -9 (bit-exact), DDP with 2 processes."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from eyas.train import train
+from eyas.train.data import Batcher
+from synthetic_train import small_config, synthetic_source
+
+HERE = Path(__file__).parent
+ROOT = HERE.parent.parent
+
+
+def run_script(out, *extra, env=None, wait=True):
+    cmd = [sys.executable, str(HERE / "synthetic_train.py"), str(out), *extra]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}
+    if wait:
+        return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+    return subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+
+def final_weights(run_dir) -> dict:
+    return load_file(str(Path(run_dir) / "latest" / "model.safetensors"))
+
+
+def test_train_learns_and_writes_a_self_describing_run(tmp_path):
+    cfg = small_config(["train.steps=30", "train.save_every=10", "train.log_every=5"])
+    summary = train(cfg, tmp_path, synthetic_source(), device="cpu")
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [5, 10, 15, 20, 25, 30]
+    assert records[-1]["loss"] < records[0]["loss"]
+    assert {"loss_0", "acc_2", "tau_sim", "tokens_per_s", "peak_mem_GiB", "lr"} <= set(records[-1])
+    assert sorted(p.name for p in tmp_path.glob("step-*")) == ["step-0000020", "step-0000030"]  # keep_last 2
+    assert os.readlink(tmp_path / "latest") == "step-0000030"
+    step = tmp_path / "latest"
+    assert {p.name for p in step.iterdir()} == {"model.safetensors", "draft.json", "optimizer.pt",
+                                                "trainer_state.json", "rng.pt", "config.yaml"}
+    weights = load_file(str(step / "model.safetensors"))
+    assert "embed_tokens.weight" not in weights and weights["d2t"].dtype == torch.long
+    meta = json.loads((step / "draft.json").read_text())
+    assert meta["aux_layers"] == [1, 2, 3] and meta["features"] == "fused" and meta["ttt"] == 3
+    assert (tmp_path / "curves.png").stat().st_size > 1000 and any((tmp_path / "tb").iterdir())
+    assert summary["steps"] == 30 and 1.0 <= summary["tau_sim"] <= 4.0
+
+
+def test_eagle2_baseline_by_flags(tmp_path):
+    cfg = small_config(["train.features=last", "train.ttt=1", "train.steps=4"])
+    train(cfg, tmp_path, synthetic_source(), device="cpu")
+    weights = final_weights(tmp_path)
+    assert weights["fc.weight"].shape == (32, 32)  # fc over 1*H: only the highest aux layer
+    assert json.loads((tmp_path / "latest" / "draft.json").read_text())["aux_layers"] == [3]
+
+
+def test_batches_respect_the_token_budget_and_are_deterministic():
+    lengths = [5, 40, 17, 33, 8, 12, 29, 3, 40, 21] * 3
+    b = Batcher(lengths, lambda i: None, batch_tokens=64, seed=3)
+    plan = b.plan(0)
+    assert sorted(i for batch in plan for i in batch) == list(range(30))
+    assert all(len(batch) * max(lengths[i] for i in batch) <= 64 for batch in plan)
+    assert plan == Batcher(lengths, lambda i: None, 64, seed=3).plan(0) != b.plan(1)
+    ranks = [Batcher(lengths, lambda i: None, 64, 3, rank=r, world_size=2).plan(0) for r in range(2)]
+    assert len(ranks[0]) == len(ranks[1]) and not {i for x in ranks[0] for i in x} & {i for x in ranks[1] for i in x}
+
+
+def test_resume_after_kill_9_is_bit_exact(tmp_path):
+    args = ["--set", "train.steps=12", "--set", "train.save_every=4"]
+    full = run_script(tmp_path / "full", *args)
+    assert full.returncode == 0, full.stderr[-2000:]
+
+    run = tmp_path / "killed"
+    proc = run_script(run, *args, env={"EYAS_TEST_SAMPLE_SLEEP": "0.05"}, wait=False)
+    deadline = time.time() + 90
+    while not (run / "latest").exists() and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.02)
+    os.kill(proc.pid, signal.SIGKILL)  # the process this test started
+    proc.wait()
+    assert proc.returncode == -signal.SIGKILL, "training finished before it could be killed"
+    killed_at = os.readlink(run / "latest")
+    assert killed_at != "step-0000012"
+
+    resumed = run_script(run, *args, "--resume")
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    a, b = final_weights(tmp_path / "full"), final_weights(run)
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+    steps = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert steps == sorted(set(steps)) and steps[-1] == 12
+
+
+def test_ddp_two_processes_gloo(tmp_path):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           str(HERE / "synthetic_train.py"), str(tmp_path), "--set", "train.steps=4", "--set", "train.batch_tokens=96"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "2 rank(s)" in out.stdout
+    assert out.stdout.count("training 4 steps") == 1  # rank 0 prints, rank 1 stays quiet
+    state = json.loads((tmp_path / "latest" / "trainer_state.json").read_text())
+    assert state["step"] == 4
+    assert all(torch.isfinite(v).all() for v in final_weights(tmp_path).values() if v.is_floating_point())
