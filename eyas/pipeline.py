@@ -11,11 +11,9 @@ With two or more GPUs, capture and training run at once on disjoint halves, trai
 from __future__ import annotations
 
 import dataclasses
-import fcntl
 import math
 import os
 import shutil
-import signal
 import sys
 import time
 from dataclasses import dataclass, field
@@ -177,14 +175,6 @@ class RunOptions:
     echo: bool = True  # copy stage output to the terminal
 
 
-class Terminated(BaseException):
-    """SIGTERM or SIGHUP reached the runner (handled like Ctrl-C)."""
-
-    def __init__(self, signum: int):
-        super().__init__(signal.Signals(signum).name)
-        self.signum = signum
-
-
 class StageFailed(EyasError):
     pass
 
@@ -212,6 +202,10 @@ class Runner:
     def __init__(self, cfg: RunConfig, run: Path, opts: RunOptions, stages=STAGES):
         self.cfg, self.run, self.opts, self.stages = cfg, Path(run), opts, stages
         self.pool = opts.gpus if opts.gpus is not None else _default_pool()
+        self.nvml = nvml.available()
+        known = {g.index for g in nvml.gpus()} if self.nvml else set(self.pool)
+        if set(self.pool) - known:
+            raise EyasError(f"GPUs {sorted(set(self.pool) - known)} do not exist; NVML sees {sorted(known)}")
         self.state: dict = {}
         self.records: list[dict] = []
         self.jobs: list[Job] = []
@@ -233,8 +227,12 @@ class Runner:
             old = []
         for rec in old:
             if not rec.get("ended"):
-                for note in procs.end_orphans(rec, self.opts.grace_s):
-                    print(f"eyas run: {note}", flush=True)
+                notes, ended = procs.end_orphans(rec, self.opts.grace_s)
+                for note in notes:
+                    self.log(note)
+                leak = nvml.wait_released(rec.get("devices", []), ended, None, 0.0, self.opts.release_timeout_s)
+                if leak:
+                    raise EyasError(f"orphans of an earlier runner were ended but still hold GPU memory:\n{leak}")
         self.records = []
         self._save_records()
 
@@ -322,7 +320,7 @@ class Runner:
                         self._end_command(job, "timeout")
                 time.sleep(POLL_S)
         except BaseException as e:
-            status = "interrupted" if isinstance(e, (KeyboardInterrupt, Terminated)) else "failed"
+            status = "interrupted" if isinstance(e, (KeyboardInterrupt, procs.Terminated)) else "failed"
             self._teardown_all(status, e)
             raise
 
@@ -332,7 +330,7 @@ class Runner:
             return
         cmd = job.cmds.pop(0)
         self._check_gpus(job)
-        job.baseline = nvml.used_mib(job.devices)
+        job.baseline = nvml.used_mib(job.devices) if self.nvml else {}
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         if self.pool:
             env.update(CUDA_VISIBLE_DEVICES=",".join(map(str, job.devices)), CUDA_DEVICE_ORDER="PCI_BUS_ID")
@@ -341,14 +339,15 @@ class Runner:
         with open(log, "a") as f:
             f.write(f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S')} {' '.join(cmd.argv)}\n")
         job.log_pos = log.stat().st_size
-        job.proc = procs.launch(job.stage.name, cmd.argv, env, log, job.devices)
-        self.records.append(job.proc.record())
-        self._save_records()
+        with procs.signals_deferred():  # a Ctrl-C now must not leave a started process unrecorded
+            job.proc = procs.launch(job.stage.name, cmd.argv, env, log, job.devices)
+            self.records.append(job.proc.record())
+            self._save_records()
         timeout = job.stage.timeout_s or self.opts.stage_timeout
         job.deadline = time.monotonic() + timeout if timeout else math.inf
 
     def _check_gpus(self, job: Job) -> None:
-        if not job.devices or not nvml.available():
+        if not job.devices or not self.nvml:
             return
         ours = {os.getpid()} | {p for j in self.jobs if j.proc for p in j.proc.seen | {j.proc.pid}}
         foreign = [h for h in nvml.holders(job.devices) if h.pid not in ours]
@@ -363,10 +362,11 @@ class Runner:
 
     def _end_command(self, job: Job, why: str) -> None:
         proc = job.proc
-        result = procs.teardown(proc, self.opts.grace_s)
-        job.proc = None
-        self._echo_rest(job, proc)
-        self._mark_ended(proc)
+        with procs.signals_deferred():  # a Ctrl-C waits until the group is ended and that is recorded
+            result = procs.teardown(proc, self.opts.grace_s)
+            self._mark_ended(proc)
+            job.proc = None
+        self._echo(job, proc)
         if result.killed or result.left:
             self.log(result.message())
         leak = nvml.wait_released(job.devices, proc.seen, job.baseline, self.opts.tolerance_mib,
@@ -399,8 +399,7 @@ class Runner:
 
     def _teardown_all(self, status: str, exc: BaseException | None) -> None:
         """End every live stage; further Ctrl-C/SIGTERM are ignored until that is done."""
-        saved = {s: signal.signal(s, signal.SIG_IGN) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
-        try:
+        with procs.signals_ignored():
             for job in self.jobs:
                 if job.proc is None:
                     continue
@@ -418,28 +417,21 @@ class Runner:
                 if rec.get("status") == "running":
                     rec.update(status=status, returncode=result.returncode, ended_at=time.time())
             self._save_state()
-        finally:
-            for s, handler in saved.items():
-                signal.signal(s, handler)
 
-    def _echo(self, job: Job) -> None:
-        if not (self.opts.echo and job.proc):
+    def _echo(self, job: Job, proc: procs.StageProcess | None = None) -> None:
+        """Copy what the stage wrote to its log since the last call to the terminal."""
+        proc = proc or job.proc
+        if not (self.opts.echo and proc):
             return
         try:
-            with open(job.proc.log, "rb") as f:
+            with open(proc.log, "rb") as f:
                 f.seek(job.log_pos)
                 data = f.read()
         except OSError:
             return
-        if data:
-            job.log_pos += len(data)
-            sys.stdout.buffer.write(data)
-            sys.stdout.flush()
-
-    def _echo_rest(self, job: Job, proc: procs.StageProcess) -> None:
-        job.proc = proc
-        self._echo(job)
-        job.proc = None
+        job.log_pos += len(data)
+        sys.stdout.buffer.write(data)
+        sys.stdout.flush()
 
 
 def _log_tail(log: Path, lines: int = 15) -> str:
@@ -450,41 +442,16 @@ def _log_tail(log: Path, lines: int = 15) -> str:
     return "\n--- last lines of the log ---\n" + "\n".join(tail)
 
 
-def _on_signal(signum, frame):
-    raise Terminated(signum)
-
-
-class _RunLock:
-    """One runner per run directory; the lock goes with the process, even on kill -9."""
-
-    def __init__(self, run: Path):
-        run.mkdir(parents=True, exist_ok=True)
-        self.f = open(run / ".runner.lock", "a+")
-        try:
-            fcntl.flock(self.f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            self.f.close()
-            raise EyasError(f"another `eyas run` is working in {run}; wait for it or use another --run-dir") from None
-
-    def release(self) -> None:
-        self.f.close()
-
-
 def run_pipeline(cfg: RunConfig, run: Path, opts: RunOptions | None = None, stages=STAGES) -> Runner:
-    """Run the stage table in `run`; raises StageFailed/EyasError, KeyboardInterrupt or Terminated."""
+    """Run the stage table in `run`; raises StageFailed/EyasError, KeyboardInterrupt or procs.Terminated."""
     run = Path(run)
-    lock = _RunLock(run)
-    saved = {s: signal.signal(s, _on_signal) for s in (signal.SIGTERM, signal.SIGHUP)}
-    runner = Runner(cfg, run, opts or RunOptions(), stages)
-    try:
-        runner.execute()
-    finally:
-        for s, handler in saved.items():
-            signal.signal(s, handler)
+    what = f"the run directory {run} (another `eyas run` works there; wait for it or use another --run-dir)"
+    with procs.exclusive(run / ".runner.lock", what), procs.signals_raise():
+        runner = Runner(cfg, run, opts or RunOptions(), stages)
         try:
-            runner.summary = write_report(run, cfg, runner.state)
+            runner.execute()
         finally:
-            lock.release()
+            runner.summary = write_report(run, cfg, runner.state)
     return runner
 
 
@@ -508,37 +475,25 @@ def _dir_bytes(path: Path) -> int:
 
 def _throughput(run: Path, name: str, wall: float | None) -> str:
     """From the stage's summary.json ({"throughput": x, "throughput_unit": "tok/s"}), else derived."""
-    out = {"prepare": "prepared", "capture": "store", "train": "train"}.get(name, name)
-    summary = _read(run / out / "summary.json") or {}
-    if _first(summary, "throughput") is not None:
-        return f"{summary['throughput']:.4g} {summary.get('throughput_unit', '/s')}"
-    if not wall:
-        return ""
-    if name == "prepare" and (n := _first(_read(run / "prepared" / "prepare.json"), "kept", "num_samples")):
-        return f"{n / wall:.3g} samples/s" if isinstance(n, (int, float)) else ""
-    if name == "capture" and (n := _first(_read(run / "store" / "manifest.json"), "num_tokens")):
-        return f"{n / wall:.4g} tok/s"
-    if name == "train" and (n := _first(_last_metrics(run), "step")):
-        return f"{n / wall:.3g} steps/s"
-    return ""
+    out = {"prepare": "prepared", "capture": "store"}.get(name, name)
+    summary = _read(run / out / "summary.json")
+    if isinstance(rate := _first(summary, "throughput"), (int, float)):
+        return f"{rate:.4g} {summary.get('throughput_unit', '/s')}"
+    derived = {"prepare": (_first(_read(run / "prepared" / "prepare.json"), "kept", "num_samples"), "samples/s"),
+               "capture": (_first(_read(run / "store" / "manifest.json"), "num_tokens"), "tok/s"),
+               "train": (_first(_last_metrics(run), "step"), "steps/s")}
+    n, unit = derived.get(name, (None, ""))
+    return f"{n / wall:.4g} {unit}" if wall and isinstance(n, (int, float)) else ""
 
 
 def _last_metrics(run: Path) -> dict:
-    try:
-        lines = (run / "train" / "metrics.jsonl").read_text().splitlines()
-        return _read_line(lines[-1]) if lines else {}
-    except OSError:
-        return {}
-
-
-def _read_line(line: str) -> dict:
     import json
 
     try:
-        doc = json.loads(line)
-        return doc if isinstance(doc, dict) else {}
-    except ValueError:
+        doc = json.loads((run / "train" / "metrics.jsonl").read_text().splitlines()[-1])
+    except (OSError, ValueError, IndexError):
         return {}
+    return doc if isinstance(doc, dict) else {}
 
 
 def eval_results(run: Path) -> list[dict]:

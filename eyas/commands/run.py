@@ -32,7 +32,8 @@ def add_arguments(parser) -> None:
 def main(args) -> int:
     from eyas.common import EyasError
     from eyas.config import load_config
-    from eyas.pipeline import RunOptions, Terminated, run_pipeline
+    from eyas.gpu.procs import Terminated
+    from eyas.pipeline import RunOptions, run_pipeline
 
     if args.config_file and args.preset:
         raise EyasError("give either CONFIG.yaml or --preset, not both")

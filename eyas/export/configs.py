@@ -7,21 +7,36 @@ vLLM and speculators read a top-level `eagle_aux_hidden_state_layer_ids` in the 
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from eyas.target.layers import to_sglang_ids
 
 FORMATS = ("sglang", "vllm", "speculators")
 TORCH_DTYPE_NAMES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 SPECULATIVE_TOKENS = 3  # the chain length of the launch commands below
 # target specs eyas knows by a short name -> what a serving engine loads
-SERVABLE_NAMES = {"smollm2": "HuggingFaceTB/SmolLM2-135M-Instruct"}
+SERVABLE_NAMES = {"smollm2": "HuggingFaceTB/SmolLM2-135M-Instruct",
+                  "SmolLM2-135M-Instruct": "HuggingFaceTB/SmolLM2-135M-Instruct"}
 NOT_SERVABLE = ("tiny", "tiny-llama", "tiny-qwen2", "tiny-moe")
 
 
-def serving_target(target_spec: str | None) -> str | None:
-    """The model id or path an engine should serve as the target; None when there is none."""
-    if not target_spec or target_spec in NOT_SERVABLE:
+def serving_target(meta: dict) -> str | None:
+    """The hub id or directory an engine should serve as the target; None for eyas's test models.
+
+    A checkpoint trained from a store records the target's name (a directory's basename), so a name that
+    is neither known, a hub id nor an existing path falls back to the path the target was loaded from.
+    """
+    spec = meta.get("target_spec")
+    if not spec or spec in NOT_SERVABLE:
         return None
-    return SERVABLE_NAMES.get(target_spec, target_spec)
+    if spec in SERVABLE_NAMES:
+        return SERVABLE_NAMES[spec]
+    path = Path(spec).expanduser()
+    if path.exists():
+        return str(path.resolve())
+    if "/" in spec or not meta.get("target_name_or_path"):
+        return spec
+    return meta["target_name_or_path"]
 
 
 def llama_layer_config(dc: dict) -> dict:
@@ -110,7 +125,7 @@ def launch_command(fmt: str, target: str, draft_dir: str) -> str:
 
 
 def readme(fmt: str, draft_dir: str, meta: dict, aux_written: list[int], dtype: str) -> str:
-    target = serving_target(meta.get("target_spec"))
+    target = serving_target(meta)
     ident = meta.get("target") or {}
     engine = {"sglang": "SGLang", "vllm": "vLLM", "speculators": "vLLM (speculators format)"}[fmt]
     where = ("`eagle_config.eagle_aux_hidden_state_layer_ids` (SGLang convention: HF index - 1)" if fmt == "sglang"

@@ -67,7 +67,8 @@ def _target_facts(dj: dict) -> dict:
     """num_layers and architectures of the target, from draft.json, its store's manifest or the target dir."""
     cfg = dict(dj.get("target_config") or {})
     facts = {"num_layers": dj.get("target_num_layers") or dj.get("num_layers") or cfg.get("num_hidden_layers"),
-             "architectures": dj.get("target_architectures") or cfg.get("architectures")}
+             "architectures": dj.get("target_architectures") or cfg.get("architectures"),
+             "name_or_path": cfg.get("_name_or_path")}
     sources = []
     if dj.get("store"):
         sources.append(Path(dj["store"]) / "manifest.json")
@@ -83,6 +84,7 @@ def _target_facts(dj: dict) -> dict:
         tc = doc.get("target_config", doc)  # a store manifest nests the HF config; a config.json is one
         facts["num_layers"] = facts["num_layers"] or doc.get("num_layers") or tc.get("num_hidden_layers")
         facts["architectures"] = facts["architectures"] or tc.get("architectures")
+        facts["name_or_path"] = facts["name_or_path"] or tc.get("_name_or_path")
     return facts
 
 
@@ -94,7 +96,7 @@ def _meta_from_checkpoint(d: Path) -> tuple[dict, dict]:
     meta = {"kind": "checkpoint", "aux_layers": dj.get("aux_layers"), "target": dj.get("target"),
             "target_spec": dj.get("target_spec"), "features": dj.get("features", "fused"), "ttt": dj.get("ttt"),
             "num_layers": facts["num_layers"], "target_architectures": facts["architectures"],
-            "store": dj.get("store")}
+            "target_name_or_path": facts["name_or_path"], "store": dj.get("store")}
     return dj["draft_config"], meta
 
 
@@ -140,7 +142,7 @@ def _meta_from_export(d: Path, cfg: dict, state: dict) -> tuple[dict, dict]:
         num_aux_layers=_num_aux(state, hidden, source)).to_dict()
     meta = {"kind": "speculators" if speculators else "flat", "aux_layers": list(aux) if aux else None,
             "target": None, "target_spec": target_spec, "features": "fused", "ttt": None, "num_layers": None,
-            "target_architectures": archs, "store": None}
+            "target_architectures": archs, "target_name_or_path": None, "store": None}
     side = d / "eyas.json"  # written by eyas's exporter next to config.json: the exact draft config and target
     if side.is_file():
         ej = read_json(side)
@@ -151,7 +153,8 @@ def _meta_from_export(d: Path, cfg: dict, state: dict) -> tuple[dict, dict]:
         meta.update(kind=ej.get("format", meta["kind"]), aux_layers=ej.get("aux_layers"), target=ej.get("target"),
                     target_spec=ej.get("target_spec", target_spec), features=ej.get("features", "fused"),
                     ttt=ej.get("ttt"), num_layers=ej.get("target_num_layers"),
-                    target_architectures=ej.get("target_architectures", archs))
+                    target_architectures=ej.get("target_architectures", archs),
+                    target_name_or_path=ej.get("target_name_or_path"))
     return draft_cfg, meta
 
 

@@ -62,6 +62,19 @@ def check_exportable(draft, meta: dict, formats: list[str]) -> None:
             raise EyasError(f"{src}: the checkpoint's target {ident} differs from its store's target {found}")
 
 
+def _embed_from_store(draft, meta: dict) -> None:
+    """Checkpoints leave the frozen target embedding out; the store they trained on keeps a copy."""
+    head = Path(meta.get("store") or "") / "target_head.safetensors"
+    if meta.get("store") and head.is_file():
+        from safetensors import safe_open
+
+        with safe_open(str(head), framework="pt") as f:
+            embed = f.get_tensor(EMBED)
+        if tuple(embed.shape) == tuple(draft.embed_tokens.weight.shape):
+            draft.embed_tokens.weight.data.copy_(embed)
+            meta["has_embed"] = True
+
+
 def _weights(draft, meta: dict, dtype: str, with_embed: bool) -> dict:
     import torch
 
@@ -69,7 +82,8 @@ def _weights(draft, meta: dict, dtype: str, with_embed: bool) -> dict:
     state = {k: v.detach().cpu() for k, v in draft.state_dict().items()}
     if not (with_embed and meta.get("has_embed")):
         if with_embed:
-            warn(f"{meta.get('path')}: no target embedding in the checkpoint; exporting without embed_tokens.weight")
+            warn(f"{meta.get('path')}: no target embedding in the checkpoint or its store; "
+                 f"exporting without embed_tokens.weight")
         state.pop(EMBED)
     if draft.cfg.draft_vocab_size == draft.cfg.vocab_size:
         state.pop("d2t"), state.pop("t2d")  # identity mapping: engines treat a missing map as the full vocab
@@ -87,7 +101,7 @@ def _write_one(fmt: str, final: Path, state: dict, meta: dict, dtype: str) -> Pa
         raise EyasError(f"{final} exists and is not an eyas export; it would be replaced: choose a new or empty "
                         f"directory for --out")
     out_dir = final.parent
-    target = configs.serving_target(meta.get("target_spec"))
+    target = configs.serving_target(meta)
     if fmt == "sglang":
         cfg, written = configs.sglang_config(dc, aux, dtype), to_sglang_ids(aux)
         state = to_midlayer(state)  # SGLang's layer is `midlayer`; it skips names it cannot place
@@ -107,7 +121,7 @@ def _write_one(fmt: str, final: Path, state: dict, meta: dict, dtype: str) -> Pa
             "aux_layers_convention": "sglang (HF - 1)" if fmt == "sglang" else "hf",
             "target": meta.get("target"), "target_spec": meta.get("target_spec"),
             "target_num_layers": meta.get("num_layers"), "target_architectures": meta.get("target_architectures"),
-            "features": meta.get("features"), "ttt": meta.get("ttt"), "draft_config": dc,
+            "target_name_or_path": meta.get("target_name_or_path"), "features": meta.get("features"), "ttt": meta.get("ttt"), "draft_config": dc,
             "source": meta.get("path"), "weights_sha256": sha256_file(tmp / "model.safetensors"),
         })
         atomic_write_text(tmp / "README.md", configs.readme(fmt, str(final.resolve()), meta, written, dtype))
@@ -139,6 +153,8 @@ def export(run_or_ckpt: str | Path, out_dir: str | Path, formats=("sglang", "vll
         raise EyasError(f"export dtype {dtype!r} is not one of {', '.join(TORCH_DTYPE_NAMES)}")
     draft, meta = load_draft(run_or_ckpt)
     check_exportable(draft, meta, formats)
+    if embed_tokens and not meta["has_embed"]:
+        _embed_from_store(draft, meta)
     state = _weights(draft, meta, dtype, embed_tokens)
     paths = {}
     for fmt in formats:

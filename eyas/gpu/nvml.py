@@ -133,22 +133,23 @@ def wait_for_free(devices: list[int], ours: set[int], timeout_s: float, poll_s: 
         time.sleep(min(poll_s, max(0.0, deadline - time.monotonic())))
 
 
-def wait_released(devices: list[int], pids: set[int], baseline: dict[int, float], tolerance_mib: float,
+def wait_released(devices: list[int], pids: set[int], baseline: dict[int, float] | None, tolerance_mib: float,
                   timeout_s: float, poll_s: float = 0.2) -> str | None:
     """Poll until no pid of `pids` holds memory on `devices` and each device's used memory is within
-    `tolerance_mib` of `baseline`. Returns None when released, else a report of what still holds it."""
+    `tolerance_mib` of `baseline` (not checked when None). Returns None when released, else a report."""
     if not devices or not available():
         return None
     deadline = time.monotonic() + timeout_s
     while True:
         still = [h for h in holders(devices) if h.pid in pids]
         used = used_mib(devices)
-        over = {d: used[d] - baseline.get(d, 0.0) for d in devices if used[d] - baseline.get(d, 0.0) > tolerance_mib}
+        base = baseline if baseline is not None else used
+        over = {d: used[d] - base.get(d, 0.0) for d in devices if used[d] - base.get(d, 0.0) > tolerance_mib}
         if not still and not over:
             return None
         if time.monotonic() >= deadline:
             lines = [f"GPU memory not released {timeout_s:.0f} s after teardown:"]
-            lines += [f"  gpu {d}: {mib:.0f} MiB above the {baseline.get(d, 0.0):.0f} MiB used before the stage"
+            lines += [f"  gpu {d}: {mib:.0f} MiB above the {base.get(d, 0.0):.0f} MiB used before the stage"
                       for d, mib in over.items()]
             if still:
                 lines.append("  processes of the stage still holding memory:\n" + format_holders(still))

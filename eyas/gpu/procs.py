@@ -225,14 +225,15 @@ def orphan_pids(rec: dict) -> tuple[list[int], str | None]:
     return [p.pid for p in all_procs() if _belongs(rec, p)], None
 
 
-def end_orphans(rec: dict, grace_s: float = 10.0, kill_wait_s: float = 30.0) -> list[str]:
-    """End what is left of a recorded stage process group; returns lines for the user."""
+def end_orphans(rec: dict, grace_s: float = 10.0, kill_wait_s: float = 30.0) -> tuple[list[str], set[int]]:
+    """End what is left of a recorded stage process group; returns lines for the user and the pids ended."""
     notes = []
     pids, note = orphan_pids(rec)
     if note:
         notes.append(f"{rec['stage']}: {note}")
     if not pids:
-        return notes
+        return notes, set()
+    ended = set(pids)
 
     def still_ours(pid: int) -> bool:
         info = proc_info(pid)
@@ -246,7 +247,81 @@ def end_orphans(rec: dict, grace_s: float = 10.0, kill_wait_s: float = 30.0) -> 
                 _signal_if(p, still_ours, sig)
             time.sleep(POLL_S)
             pids = orphan_pids(rec)[0]
+            ended.update(pids)
         if not pids:
-            return notes
+            return notes, ended
     notes.append(f"{rec['stage']}: STILL ALIVE after SIGKILL: pids {pids}")
-    return notes
+    return notes, ended
+
+
+# ---------------------------------------------------------------- the runner's own signals and lock
+
+class Terminated(BaseException):
+    """SIGTERM or SIGHUP reached the runner (handled like Ctrl-C)."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+RUNNER_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+_deferral = {"depth": 0, "pending": None}
+
+
+def _on_signal(signum, frame):
+    if _deferral["depth"]:
+        _deferral["pending"] = signum
+        return
+    raise KeyboardInterrupt if signum == signal.SIGINT else Terminated(signum)
+
+
+@contextlib.contextmanager
+def signals_raise():
+    """Ctrl-C raises KeyboardInterrupt and SIGTERM/SIGHUP raise Terminated, inside the block."""
+    saved = {s: signal.signal(s, _on_signal) for s in RUNNER_SIGNALS}
+    try:
+        yield
+    finally:
+        for s, handler in saved.items():
+            signal.signal(s, handler)
+
+
+@contextlib.contextmanager
+def signals_deferred():
+    """Hold those signals back for a few lines, e.g. between starting a process and recording it.
+    (Not the signal mask: a stage started meanwhile would inherit it and could not be ended.)"""
+    _deferral["depth"] += 1
+    try:
+        yield
+    finally:
+        _deferral["depth"] -= 1
+        if not _deferral["depth"] and _deferral["pending"]:
+            signum, _deferral["pending"] = _deferral["pending"], None
+            _on_signal(signum, None)
+
+
+@contextlib.contextmanager
+def signals_ignored():
+    """Ignore those signals while stages are being ended: a second Ctrl-C must not stop a teardown."""
+    saved = {s: signal.signal(s, signal.SIG_IGN) for s in RUNNER_SIGNALS}
+    try:
+        yield
+    finally:
+        for s, handler in saved.items():
+            signal.signal(s, handler)
+
+
+@contextlib.contextmanager
+def exclusive(path: Path, what: str):
+    """An advisory lock that is released with the process, even on kill -9; raises if already held."""
+    import fcntl
+
+    from eyas.common import EyasError
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a+") as f:
+        try:
+            fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise EyasError(f"{what} is in use by another process") from None
+        yield

@@ -4,7 +4,7 @@ Layout of STORE/ (DESIGN.md "Contracts", docs/INTERNALS.md "Store"):
   manifest.json             the committed state; replaced atomically after each shard is renamed into place
   manifest.rank-NNNNN.json  shards committed by rank N of a torchrun capture, merged into manifest.json at the end
   shard-NNNNN.safetensors   packed samples: input_ids, loss_mask, aux_hidden, final_hidden, offsets, sample_index
-                            (+ aux_scale, final_scale for fp8); metadata "sample_ids" is a JSON list of strings
+                            (+ aux_scale, final_scale for fp8); metadata "eyas" is JSON with sample_ids, dtype, aux_layers
   target_head.safetensors   embed_tokens.weight and lm_head.weight of the target
 
 A shard is committed when a manifest names it; files that no manifest names are leftovers of a killed

@@ -28,7 +28,7 @@ class _Shard:
         self.file = safe_open(str(path), framework="pt")
         self.offsets = self.file.get_tensor("offsets")  # [n+1]
         self.sample_index = self.file.get_tensor("sample_index")  # [n]
-        self.sample_ids = json.loads(self.file.metadata()["sample_ids"])
+        self.sample_ids = json.loads(self.file.metadata()["eyas"])["sample_ids"]
         self.has_scales = "aux_scale" in self.file.keys()
 
     def rows(self, name: str, a: int, b: int) -> torch.Tensor:

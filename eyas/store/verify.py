@@ -46,7 +46,7 @@ def check_files(store: Path, manifest: dict) -> list[str]:
             continue
         with safe_open(str(path), framework="pt") as f:
             offsets = f.get_tensor("offsets")  # [n+1]
-            ids = json.loads(f.metadata()["sample_ids"])
+            ids = json.loads(f.metadata()["eyas"])["sample_ids"]
             shapes = {k: f.get_slice(k).get_shape() for k in f.keys()}
             aux_dtype = f.get_slice("aux_hidden").get_dtype()
         n, t = len(offsets) - 1, int(offsets[-1])

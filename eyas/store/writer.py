@@ -78,8 +78,10 @@ def pack(job: ShardJob, dtype: str, aux_layers: list[int]) -> tuple[dict, dict]:
         tensors["final_scale"] = torch.cat([p.final_scale for p in job.pieces])  # [T, 1]
     num_tokens = int(offsets[-1])
     assert tensors["aux_hidden"].shape[0] == num_tokens, "captured tokens do not match the shard's samples"
-    metadata = {"schema_version": "1", "dtype": dtype, "aux_layers": json.dumps(aux_layers),
-                "sample_ids": json.dumps(job.sample_ids)}
+    # one metadata key: safetensors writes a multi-key metadata map in a per-process random order,
+    # and shards must be byte-identical across runs (resume) and processes (ranks)
+    metadata = {"eyas": json.dumps({"schema_version": 1, "dtype": dtype, "aux_layers": aux_layers,
+                                    "sample_ids": job.sample_ids}, sort_keys=True)}
     return tensors, metadata
 
 

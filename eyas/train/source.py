@@ -58,6 +58,17 @@ def find_vocab(manifest: dict, store: Path) -> Path | None:
     return next((c for c in candidates if c.is_file()), None)
 
 
+def store_lengths(reader) -> list[int]:
+    """Tokens per sample from the shards' offsets (no feature is read)."""
+    if getattr(reader, "lengths", None) is not None:
+        return [int(n) for n in reader.lengths]
+    lengths: list[int] = []
+    for pos in range(len(reader.shards)):
+        offsets = reader._shard(pos).offsets  # [n+1]
+        lengths += (offsets[1:] - offsets[:-1]).tolist()
+    return lengths
+
+
 def store_source(store: str | Path, expect: dict | None = None, vocab: str | Path | None = None) -> TrainSource:
     """A TrainSource over a store; `expect` (manifest keys) makes a mismatching store an error."""
     from safetensors.torch import load_file
@@ -85,8 +96,7 @@ def store_source(store: str | Path, expect: dict | None = None, vocab: str | Pat
     else:
         warn(f"no draft vocabulary found for {store} (pass --vocab PREPARED/vocab.safetensors); "
              f"using the full target vocabulary ({manifest['vocab_size']})")
-    lengths = getattr(reader, "lengths", None)
-    lengths = list(lengths) if lengths is not None else [len(reader[i]["input_ids"]) for i in range(len(reader))]
+    lengths = store_lengths(reader)
     return TrainSource(
         samples=reader, lengths=lengths, embed_weight=embed, lm_head_weight=lm_head,
         target_config=manifest.get("target_config") or {}, target=manifest.get("target"),

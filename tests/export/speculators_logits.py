@@ -22,6 +22,11 @@ def main(export_dir: str, inputs_path: str, outputs_path: str) -> None:
     # dense masks instead of flex attention, which wants a compiler on CPU
     config.transformer_layer_config._attn_implementation = "eager"
     model = Eagle3DraftModel.from_pretrained(export_dir, config=config, dtype=torch.float32).eval()
+    # speculators fills a missing embedding from the verifier only if it finds NaN there, but with
+    # transformers 5.19 a missing weight comes back as uninitialised memory (often zeros), so an export
+    # without embed_tokens (eyas's default: engines take the target's) would run on garbage. Load it
+    # from the verifier with speculators' own loader, as it means to.
+    model._load_verifier_weights(overwrite_embed_tokens=True)
 
     logits = []
     model.lm_head.register_forward_hook(lambda _m, _i, out: logits.append(out.detach().clone()))

@@ -186,3 +186,54 @@ def test_missing_embedding_is_nan(make_run):
     run, _ = make_run()
     draft, meta = load_draft(run)
     assert not meta["has_embed"] and torch.isnan(draft.embed_tokens.weight).all()
+
+
+def _fake_store(path, tiny_target, aux):
+    """Just the parts of a store (docs/INTERNALS.md "Store") that export reads."""
+    path.mkdir()
+    (path / "manifest.json").write_text(json.dumps({"schema_version": 1, "target": tiny_target.identity,
+                                                    "num_layers": 4, "aux_layers": aux}))
+    save_file({"embed_tokens.weight": tiny_target.embed_tokens.weight.detach().clone(),
+               "lm_head.weight": tiny_target.lm_head.weight.detach().clone()}, str(path / "target_head.safetensors"))
+    return str(path)
+
+
+def test_embed_from_store_and_store_consistency(make_run, tiny_target, tmp_path):
+    run, draft = make_run(store=_fake_store(tmp_path / "store", tiny_target, [1, 2, 3]))
+    out = export(run, tmp_path / "out", ["speculators"], dtype="fp32", embed_tokens=True)["speculators"]
+    weights = load_file(out / "model.safetensors")
+    assert torch.equal(weights["embed_tokens.weight"], tiny_target.embed_tokens.weight)
+    back, meta = load_draft(out)  # self-contained: no embedding passed
+    assert meta["has_embed"]
+    aux, ids, pos = sample_inputs(draft)
+    with torch.no_grad():
+        torch.testing.assert_close(ttt_logits(back, aux, ids, pos, 2), ttt_logits(draft, aux, ids, pos, 2),
+                                   rtol=0, atol=0)
+
+    other, _ = make_run(name="other", store=_fake_store(tmp_path / "store2", tiny_target, [1, 2]))
+    with pytest.raises(EyasError, match=r"its store .* captured \[1, 2\]"):
+        export(other, tmp_path / "out2", "all")
+
+
+def test_flat_configs_without_eyas_json(make_run, tiny_target, tmp_path):
+    """An export whose eyas.json is gone reads like a foreign one: aux ids come from each engine's own
+    key and convention, and a flat config whose two lists disagree is refused."""
+    run, draft = make_run()
+    paths = export(run, tmp_path / "out", ["sglang", "vllm"], dtype="fp32")
+    aux, ids, pos = sample_inputs(draft)
+    for fmt, path in paths.items():
+        (path / "eyas.json").unlink()
+        back, meta = load_draft(path, embed_tokens=tiny_target.embed_tokens.weight)
+        assert meta["aux_layers"] == [1, 2, 3] and meta["target"] is None, fmt
+        with torch.no_grad():
+            torch.testing.assert_close(ttt_logits(back, aux, ids, pos, 2), ttt_logits(draft, aux, ids, pos, 2),
+                                       rtol=0, atol=0)
+    cfg_path = paths["sglang"] / "config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg["eagle_aux_hidden_state_layer_ids"] = [1, 2, 3]  # HF ids beside SGLang's [0, 1, 2]: consistent
+    cfg_path.write_text(json.dumps(cfg))
+    assert load_draft(paths["sglang"])[1]["aux_layers"] == [1, 2, 3]
+    cfg["eagle_aux_hidden_state_layer_ids"] = [0, 1, 2]  # the same numbers in both lists: one is wrong
+    cfg_path.write_text(json.dumps(cfg))
+    with pytest.raises(EyasError, match="name different layers"):
+        load_draft(paths["sglang"])

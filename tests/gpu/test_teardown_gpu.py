@@ -29,6 +29,17 @@ if sys.argv[1] == "hang":
     time.sleep(1000)
 """
 
+# A runner of one hog stage, to be killed with kill -9 while the stage holds GPU memory.
+RUNNER = r"""
+import sys
+from pathlib import Path
+from eyas.config import load_config
+from eyas.pipeline import Cmd, RunOptions, Stage, run_pipeline
+hog, mode, ready, run = sys.argv[1:5]
+stage = Stage("hog", (), "hog", (), "one", lambda ctx: [Cmd([sys.executable, hog, mode, ready, run + "/hog"])])
+run_pipeline(load_config("tiny"), Path(run), RunOptions(gpus=[0], echo=False), (stage,))
+"""
+
 pytestmark = pytest.mark.skipif(not nvml.available(), reason="needs NVML (an NVIDIA driver)")
 
 
@@ -72,3 +83,23 @@ def test_foreign_holder_makes_the_runner_refuse_and_survives(tmp_path):
     finally:
         foreign.kill()
         foreign.wait()
+
+
+def test_gpu_orphans_of_a_killed_runner_are_ended_before_the_next_stage(tmp_path):
+    before = nvml.used_mib([0])[0]
+    (tmp_path / "runner.py").write_text(RUNNER)
+    hog_stage(tmp_path, "hang")  # writes hog.py
+    ready = tmp_path / "ready-orphan"
+    runner = subprocess.Popen([sys.executable, str(tmp_path / "runner.py"), str(tmp_path / "hog.py"), "hang",
+                               str(ready), str(tmp_path / "run")])
+    deadline = time.monotonic() + 120
+    while not (ready.exists() and nvml.used_mib([0])[0] - before > 2500) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert ready.exists(), "the stage never allocated its memory"
+    runner.kill()
+    runner.wait()
+    assert nvml.used_mib([0])[0] - before > 2500  # the orphaned stage still holds its memory
+
+    opts = RunOptions(gpus=[0], grace_s=2.0, release_timeout_s=60.0)
+    run_pipeline(load_config("tiny"), tmp_path / "run", opts, (hog_stage(tmp_path, "ok"),))
+    assert nvml.used_mib([0])[0] - before < opts.tolerance_mib

@@ -33,7 +33,8 @@ def stages_from_spec(spec):
 def main(path):
     from eyas.common import EyasError
     from eyas.config import load_config
-    from eyas.pipeline import Terminated, run_pipeline
+    from eyas.gpu.procs import Terminated
+    from eyas.pipeline import run_pipeline
 
     spec = json.loads(Path(path).read_text())
     cfg = load_config(spec.get("preset", "tiny"), spec.get("set", []))

@@ -41,3 +41,10 @@ def test_gpus_says_when_there_is_no_driver():
     res = subprocess.run([sys.executable, "-m", "eyas", "gpus"], capture_output=True, text=True, timeout=60)
     assert res.returncode == 0
     assert "nothing to list" in res.stdout and ("NVIDIA driver" in res.stdout or "nvidia-ml-py" in res.stdout)
+
+
+def test_multi_gpu_example_config_loads():
+    from pathlib import Path
+
+    cfg = load_config(str(Path(__file__).resolve().parents[2] / "examples" / "llama3-8b-multi-gpu.yaml"))
+    assert cfg.name == "llama3-8b" and cfg.capture.mode == "store" and cfg.target.dtype == "bf16"

@@ -18,7 +18,7 @@ from eyas.config import load_config
 from eyas.gpu import nvml
 from eyas.pipeline import STAGES, RunOptions, StageFailed, run_pipeline
 
-QUIET = RunOptions(echo=False, grace_s=0.5)
+QUIET = RunOptions(gpus=[], echo=False, grace_s=0.5)
 
 
 def started(record: Path) -> list[dict]:
@@ -91,6 +91,12 @@ def overlap_stages(tmp_path: Path, capture_args=()):
                        tails="capture"))
 
 
+@pytest.fixture
+def fake_gpus(monkeypatch):
+    """Device indices that exist only for the scheduler: NVML is hidden even on a GPU machine."""
+    monkeypatch.setattr(nvml, "available", lambda: False)
+
+
 def by_name(record: Path) -> dict[str, dict]:
     found = {}
     for r in map(json.loads, record.read_text().splitlines()):
@@ -98,7 +104,7 @@ def by_name(record: Path) -> dict[str, dict]:
     return found
 
 
-def test_capture_and_train_share_time_on_disjoint_gpus(tmp_path):
+def test_capture_and_train_share_time_on_disjoint_gpus(tmp_path, fake_gpus):
     run_pipeline(load_config("tiny"), tmp_path / "run", RunOptions(gpus=[0, 1, 2], echo=False),
                  overlap_stages(tmp_path))
     r = by_name(tmp_path / "record.jsonl")
@@ -109,14 +115,14 @@ def test_capture_and_train_share_time_on_disjoint_gpus(tmp_path):
 
 
 @pytest.mark.parametrize("gpus", [[0], []])
-def test_one_gpu_or_none_runs_stages_one_after_another(tmp_path, gpus):
+def test_one_gpu_or_none_runs_stages_one_after_another(tmp_path, fake_gpus, gpus):
     run_pipeline(load_config("tiny"), tmp_path / "run", RunOptions(gpus=gpus, echo=False), overlap_stages(tmp_path))
     r = by_name(tmp_path / "record.jsonl")
     assert r["train"]["t_start"] >= r["capture"]["t_end"] and not r["train"]["tail"]
     assert r["capture"]["cuda"] == r["train"]["cuda"] == ("0" if gpus else None)
 
 
-def test_a_failed_capture_ends_the_training_that_tails_it(tmp_path):
+def test_a_failed_capture_ends_the_training_that_tails_it(tmp_path, fake_gpus):
     with pytest.raises(StageFailed, match="capture exited"):
         run_pipeline(load_config("tiny"), tmp_path / "run", RunOptions(gpus=[0, 1], echo=False, grace_s=0.5),
                      overlap_stages(tmp_path, ["--mode", "fail"]))
@@ -139,6 +145,7 @@ def foreign_gpu_holder(monkeypatch):
         return [nvml.Holder(0, decoy.pid, "someone", "sleep 1000", 512.0)]
 
     monkeypatch.setattr(nvml, "available", lambda: True)
+    monkeypatch.setattr(nvml, "gpus", lambda: [nvml.Gpu(0, "fake", 512.0, 81920.0)])
     monkeypatch.setattr(nvml, "holders", holders)
     monkeypatch.setattr(nvml, "used_mib", lambda devices: {d: 512.0 for d in devices})
     yield decoy, polls

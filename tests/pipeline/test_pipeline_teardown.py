@@ -48,7 +48,7 @@ def decoy():
 
 
 def start_runner(tmp_path: Path, stage_args: list[str], timeout_s=0.0, name="spec.json") -> subprocess.Popen:
-    spec = {"run": str(tmp_path / "run"), "opts": {"grace_s": 0.5, "echo": False},
+    spec = {"run": str(tmp_path / "run"), "opts": {"gpus": [], "grace_s": 0.5, "echo": False},
             "stages": [{"name": "work", "writes": "work", "args": stage_args, "timeout_s": timeout_s}]}
     (tmp_path / name).write_text(json.dumps(spec))
     out = open(tmp_path / f"{name}.out", "w")

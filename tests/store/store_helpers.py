@@ -25,3 +25,18 @@ def tiny_cfg(**capture):
 
     sets = [f"capture.{k}={v}" for k, v in capture.items()]
     return load_config("tiny", ["target.device=cpu", *sets])
+
+
+def capture_argv(prepared, store, *sets, threads=None):
+    """`eyas capture` on the tiny target in a fresh interpreter, with this process's thread count
+    (CPU float results may depend on it, and resumed stores are compared bit for bit)."""
+    import sys
+
+    import torch
+
+    threads = threads or torch.get_num_threads()
+    boot = f"import sys, torch; torch.set_num_threads({threads}); from eyas.cli import main; sys.exit(main(sys.argv[1:]))"
+    args = ["capture", "--config", "tiny", "--set", "target.device=cpu", "--data", str(prepared), "--out", str(store)]
+    for s in sets:
+        args += ["--set", s]
+    return [sys.executable, "-c", boot, *args]

@@ -73,7 +73,7 @@ def main(argv=None) -> int:
 
     source = synthetic_source()
     source.samples = SlowSamples(source.samples)
-    train(small_config(args.set), args.out, source, resume=args.resume, device="cpu")
+    train(small_config(args.set), args.out, source, resume=args.resume, device=os.environ.get("EYAS_TEST_DEVICE", "cpu"))
     return 0
 
 

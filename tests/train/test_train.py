@@ -73,9 +73,7 @@ def test_batches_respect_the_token_budget_and_are_deterministic():
 
 def test_resume_after_kill_9_is_bit_exact(tmp_path):
     args = ["--set", "train.steps=12", "--set", "train.save_every=4"]
-    full = run_script(tmp_path / "full", *args)
-    assert full.returncode == 0, full.stderr[-2000:]
-
+    full = run_script(tmp_path / "full", *args, wait=False)  # runs alongside the one that gets killed
     run = tmp_path / "killed"
     proc = run_script(run, *args, env={"EYAS_TEST_SAMPLE_SLEEP": "0.05"}, wait=False)
     deadline = time.time() + 90
@@ -88,6 +86,7 @@ def test_resume_after_kill_9_is_bit_exact(tmp_path):
     assert killed_at != "step-0000012"
 
     resumed = run_script(run, *args, "--resume")
+    assert full.wait(timeout=120) == 0, full.stderr.read()[-2000:]
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     a, b = final_weights(tmp_path / "full"), final_weights(run)
     assert a.keys() == b.keys()

@@ -1,0 +1,58 @@
+"""Draft stand-ins with Eagle3Draft's interface, for the classic speculative-decoding cases.
+
+`ScriptedDraft` knows the sequence the target will produce (prompt + its greedy output) and, for the
+entry at position p (which carries token p+1), proposes token p+2 of that sequence: an oracle.
+`wrong_at(p)` may mark positions where it proposes a wrong token first and the right one second, so
+that chains break there while trees still find the right branch; `never_right` keeps the right token
+out of its top three. Its cache stores positions only.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from eyas.draft import DraftOutput
+
+
+class ScriptedDraft:
+    def __init__(self, sequence: list[int], vocab_size: int, wrong_at=lambda p: False, never_right: bool = False,
+                 hidden_size: int = 8):
+        self.sequence = list(sequence)
+        self.never_right = never_right
+        self.vocab_size = vocab_size
+        self.wrong_at = wrong_at
+        self.hidden_size = hidden_size
+        self.d2t = torch.zeros(vocab_size, dtype=torch.long)
+        self.num_fed = 0
+
+    def parameters(self):
+        return iter(())
+
+    def fuse(self, aux_hidden):
+        return torch.zeros(*aux_hidden.shape[:-1], self.hidden_size)
+
+    def to_target_ids(self, draft_ids):
+        return draft_ids
+
+    def _logits_at(self, p: int) -> torch.Tensor:
+        logits = torch.zeros(self.vocab_size)
+        right = self.sequence[p + 2] if p + 2 < len(self.sequence) else 0
+        wrong = (right + 1) % self.vocab_size
+        first, second = (wrong, right) if self.wrong_at(p) else (right, wrong)
+        third = (right + 7) % self.vocab_size
+        if self.never_right:
+            first, second, third = wrong, (right + 2) % self.vocab_size, (right + 3) % self.vocab_size
+        logits[first], logits[second], logits[third] = 9.0, 8.0, 7.0
+        return logits
+
+    def __call__(self, hidden, input_ids, position_ids, past_key_values=None, attention_mask=None):
+        b, t = input_ids.shape
+        self.num_fed += t
+        logits = torch.stack([self._logits_at(int(p)) for p in position_ids[0]])[None]  # [1, T, V]
+        new = position_ids.float().view(b, 1, t, 1)
+        k = new if past_key_values is None else torch.cat([past_key_values[0], new], dim=2)
+        return DraftOutput(torch.zeros(b, t, self.hidden_size), logits, (k, k))
+
+
+def always_wrong(sequence: list[int], vocab_size: int) -> ScriptedDraft:
+    return ScriptedDraft(sequence, vocab_size, never_right=True)

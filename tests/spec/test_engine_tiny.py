@@ -1,0 +1,116 @@
+"""Speculative decoding on the tiny random target: classic cases, caches, sampling distribution."""
+
+import pytest
+import torch
+
+from eyas.spec.engine import SpecEngine
+from eyas.target import resolve_aux_layers
+from tests.spec.drafts import ScriptedDraft, always_wrong
+
+PROMPT = [1, 72, 101, 108, 108, 111, 32, 119, 111, 114, 108, 100, 2]
+
+
+def random_draft(target, seed=0):
+    from eyas.draft import DraftConfig, Eagle3Draft
+
+    aux = resolve_aux_layers(None, target.num_layers)
+    cfg = DraftConfig.from_target_config(target.config.to_dict(), draft_vocab_size=target.vocab_size,
+                                         num_aux_layers=len(aux))
+    torch.manual_seed(seed)
+    draft = Eagle3Draft(cfg).eval()
+    draft.embed_tokens.weight.data.copy_(target.embed_tokens.weight)
+    return draft, aux
+
+
+def greedy_reference(target, prompt, n):
+    return SpecEngine(target.model).plain_generate(prompt, n).tokens
+
+
+@pytest.mark.parametrize("kind", ["chain", "tree"])
+def test_oracle_gives_k_plus_one(tiny_target, kind):
+    k, cycles = 4, 5
+    n = 1 + cycles * (k + 1)
+    ref = greedy_reference(tiny_target, PROMPT, n + 8)
+    draft = ScriptedDraft(PROMPT + ref, tiny_target.vocab_size)
+    engine = SpecEngine(tiny_target.model, draft, [1, 2, 3])
+    setting = dict(steps=k) if kind == "chain" else dict(tree=(2, k, 8))
+    res = engine.generate(PROMPT, n, **setting)
+    assert res.tokens == ref[:n]
+    assert res.num_cycles == cycles
+    assert res.accepted_per_cycle == [k] * cycles
+    assert res.tau == k + 1
+
+
+@pytest.mark.parametrize("setting", [dict(steps=3), dict(tree=(3, 3, 8))])
+def test_always_wrong_gives_tau_one(tiny_target, setting):
+    n = 12
+    ref = greedy_reference(tiny_target, PROMPT, n + 8)
+    engine = SpecEngine(tiny_target.model, always_wrong(PROMPT + ref, tiny_target.vocab_size), [1, 2, 3])
+    res = engine.generate(PROMPT, n, **setting)
+    assert res.tokens == ref[:n]
+    assert res.accepted_per_cycle == [0] * (n - 1)
+    assert res.tau == 1.0
+
+
+@pytest.mark.parametrize("setting", [dict(steps=3), dict(tree=(3, 4, 10))])
+def test_partially_right_draft_is_lossless(tiny_target, setting):
+    """Breaks at every third position: chains stop early, trees take second branches (cache.keep moves)."""
+    n = 30
+    ref = greedy_reference(tiny_target, PROMPT, n + 8)
+    draft = ScriptedDraft(PROMPT + ref, tiny_target.vocab_size, wrong_at=lambda p: p % 3 == 0)
+    res = SpecEngine(tiny_target.model, draft, [1, 2, 3]).generate(PROMPT, n, **setting)
+    assert res.tokens == ref[:n]
+    assert 1 < res.tau
+    if "tree" in setting:
+        assert res.tau > 3  # the second-choice branch is in the tree
+
+
+@pytest.mark.parametrize("setting", [dict(steps=2), dict(steps=5), dict(tree=(4, 3, 12))])
+def test_random_draft_is_lossless(tiny_target, setting):
+    draft, aux = random_draft(tiny_target)
+    n = 24
+    res = SpecEngine(tiny_target.model, draft, aux).generate(PROMPT, n, **setting)
+    assert res.tokens == greedy_reference(tiny_target, PROMPT, n)
+
+
+def test_eos_and_max_new_tokens(tiny_target):
+    ref = greedy_reference(tiny_target, PROMPT, 20)
+    stop = ref[6]
+    first = ref.index(stop)
+    draft = ScriptedDraft(PROMPT + ref, tiny_target.vocab_size)
+    res = SpecEngine(tiny_target.model, draft, [1, 2, 3]).generate(PROMPT, 20, steps=4, eos_token_ids=[stop])
+    assert res.tokens == ref[: first + 1]
+    res = SpecEngine(tiny_target.model, draft, [1, 2, 3]).generate(PROMPT, 7, steps=4)
+    assert res.tokens == ref[:7]
+
+
+def count_tokens(module):
+    """Counts tokens entering `module` (an embedding) via a forward pre-hook."""
+    counts = []
+    handle = module.register_forward_pre_hook(lambda m, args: counts.append(args[0].numel()))
+    return counts, handle
+
+
+@pytest.mark.parametrize("setting", [dict(steps=3), dict(tree=(3, 3, 8))])
+def test_per_cycle_cost_does_not_grow_with_context(tiny_target, setting):
+    """Tokens fed to target and draft per cycle are the same after an 8- and a 400-token prompt:
+    neither cache is ever recomputed from the start."""
+    draft, aux = random_draft(tiny_target)
+    per_cycle = {}
+    for length in (8, 400):
+        prompt = (PROMPT * 40)[:length]
+        target_counts, h1 = count_tokens(tiny_target.model.model.embed_tokens)
+        draft_counts, h2 = count_tokens(draft.embed_tokens)
+        try:
+            res = SpecEngine(tiny_target.model, draft, aux).generate(prompt, 20, **setting)
+        finally:
+            h1.remove()
+            h2.remove()
+        assert target_counts[0] == length  # prefill, once
+        assert draft_counts[0] == length  # the draft's prefill: (g_t, token_{t+1}) for t < length
+        assert sum(target_counts[1:]) == sum(res.target_tokens_per_cycle)
+        assert sum(draft_counts[1:]) == sum(res.draft_tokens_per_cycle)
+        per_cycle[length] = (target_counts[1:], draft_counts[1:])
+        width = setting.get("steps") or setting["tree"][2]
+        assert max(target_counts[1:]) == width + 1
+    assert per_cycle[8] == per_cycle[400]

@@ -1,0 +1,77 @@
+"""Sampling is lossless: emitted tokens follow the target's tempered distribution (chi-square tests)."""
+
+import torch
+
+from eyas.spec.accept import accept_greedy, sample_node
+from eyas.spec.engine import SpecEngine
+from tests.spec.drafts import ScriptedDraft
+
+PROMPT = [1, 72, 101, 108, 108, 111, 2]
+
+
+def chi_square_p(observed: torch.Tensor, expected_probs: torch.Tensor, min_expected: float = 5.0) -> float:
+    """p-value of Pearson's chi-square test; categories with small expected counts are pooled."""
+    n = observed.sum()
+    expected = expected_probs * n
+    big = expected >= min_expected
+    obs = torch.cat([observed[big], observed[~big].sum()[None]]).double()
+    exp = torch.cat([expected[big], expected[~big].sum()[None]]).double()
+    keep = exp > 0
+    obs, exp = obs[keep], exp[keep]
+    stat = ((obs - exp) ** 2 / exp).sum()
+    dof = len(obs) - 1
+    return float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.double), stat / 2))
+
+
+def test_sample_node_follows_target_distribution():
+    g = torch.Generator().manual_seed(0)
+    probs = torch.softmax(torch.randn(12, generator=g) * 1.5, dim=-1)
+    candidates = [int(probs.argmax()), 3, int(probs.argmax())]  # best, another, and a duplicate
+    n = 20000
+    counts = torch.zeros(12)
+    for _ in range(n):
+        _, tok = sample_node(probs, candidates, g)
+        counts[tok] += 1
+    assert chi_square_p(counts, probs) > 1e-3
+
+
+def test_greedy_walks_tree():
+    logits = torch.zeros(5, 10)
+    # nodes: 0 (tok 4, root child), 1 (tok 5, root child), 2 (tok 6, child of 1), 3 (tok 7, child of 2)
+    tokens, parents = [4, 5, 6, 7], [-1, -1, 1, 2]
+    logits[0, 5] = logits[2, 6] = logits[3, 9] = 1.0  # root -> 5 (node 1) -> 6 (node 2) -> 9 (bonus)
+    assert accept_greedy(logits, tokens, parents) == ([1, 2], 9)
+
+
+def exact_pair_distribution(model, prompt, temperature):
+    """p(x1, x2) = p(x1) p(x2 | x1) of the target, [V, V]."""
+    with torch.no_grad():
+        first = torch.softmax(model(torch.tensor([prompt])).logits[0, -1] / temperature, -1)  # [V]
+        v = first.numel()
+        batch = torch.cat([torch.tensor([prompt]).expand(v, -1), torch.arange(v)[:, None]], dim=1)
+        second = torch.softmax(model(batch).logits[:, -1] / temperature, -1)  # [V, V]
+    return first[:, None] * second
+
+
+def test_speculative_sampling_matches_target(tiny_target):
+    """Joint distribution of the first two tokens: the second one goes through tree acceptance with
+    siblings (accept, reject, residual)."""
+    temperature = 1.0
+    joint = exact_pair_distribution(tiny_target.model, PROMPT, temperature)
+    v = joint.shape[0]
+    # propose the most likely second tokens (ignoring x1) so that accepts and rejects both happen
+    popular = joint.sum(0).topk(3).indices.tolist()
+    draft = ScriptedDraft(PROMPT + [0] + popular[:1] + [0] * 8, v)
+    draft._logits_at = lambda p: torch.tensor([9.0 if t == popular[0] else 8.0 if t == popular[1] else
+                                               7.0 if t == popular[2] else 0.0 for t in range(v)])
+    engine = SpecEngine(tiny_target.model, draft, [1, 2, 3])
+    g = torch.Generator().manual_seed(1)
+    n = 1500
+    counts = torch.zeros(v * v)
+    accepted = 0
+    for _ in range(n):
+        res = engine.generate(PROMPT, 2, tree=(3, 1, 3), temperature=temperature, generator=g)
+        counts[res.tokens[0] * v + res.tokens[1]] += 1
+        accepted += res.accepted_per_cycle[0]
+    assert 0.05 * n < accepted < 0.95 * n, accepted  # both branches of the rule were exercised
+    assert chi_square_p(counts, joint.flatten()) > 1e-3

@@ -1,0 +1,59 @@
+"""`eyas verify`: a good store passes; a flipped byte, or states that disagree with the target, fail."""
+
+import json
+
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+from eyas.cli import main
+from eyas.common import sha256_file
+from eyas.store import capture
+from store_helpers import tiny_cfg
+
+
+def _store(tmp_path, prepared, target, dtype="fp32"):
+    store = tmp_path / f"store-{dtype}"
+    capture(tiny_cfg(shard_tokens=200, token_budget=256, dtype=dtype), prepared, store, target=target)
+    return store
+
+
+def test_verify_passes_and_prints_errors_per_layer(tmp_path, prepared, tiny_target, capsys):
+    store = _store(tmp_path, prepared, tiny_target, "fp8")
+    assert main(["verify", str(store), "--samples", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "recomputed 3 sample(s)" in out and out.rstrip().endswith("OK")
+    for layer in ("aux 1", "aux 2", "aux 3", "final"):
+        line = next(x for x in out.splitlines() if x.strip().startswith(layer))
+        rel = float(line.split()[-1])
+        assert 0 < rel < 0.1  # fp8 is lossy but close
+
+
+def test_verify_catches_a_flipped_byte(tmp_path, prepared, tiny_target, capsys):
+    store = _store(tmp_path, prepared, tiny_target)
+    shard = store / "shard-00001.safetensors"
+    data = bytearray(shard.read_bytes())
+    data[len(data) - 100] ^= 0x01
+    shard.write_bytes(bytes(data))
+    assert main(["verify", str(store), "--samples", "0"]) == 1
+    out = capsys.readouterr().out
+    assert "MISMATCH: shard-00001.safetensors: sha256 differs" in out and "FAILED" in out
+
+
+def test_verify_recomputation_catches_wrong_states(tmp_path, prepared, tiny_target, capsys):
+    """A shard whose checksum was updated with its content (so files look fine) but whose states are wrong."""
+    store = _store(tmp_path, prepared, tiny_target)
+    manifest = json.loads((store / "manifest.json").read_text())
+    for rec in manifest["shards"]:
+        path = store / rec["file"]
+        tensors = load_file(path)
+        with safe_open(str(path), "pt") as f:
+            meta = f.metadata()
+        h = 64
+        tensors["aux_hidden"][:, h:2 * h] *= 1.05  # aux layer 2 off by 5 %
+        save_file(tensors, str(path), metadata=meta)
+        rec["sha256"], rec["bytes"] = sha256_file(path), path.stat().st_size
+    (store / "manifest.json").write_text(json.dumps(manifest))
+    assert main(["verify", str(store), "--samples", "2"]) == 1
+    out = capsys.readouterr().out
+    assert "MISMATCH: sample" in out and "aux 2: relative error" in out
+    assert "aux 1: relative" not in out and "final: relative" not in out

@@ -1,0 +1,69 @@
+"""`eyas train` from a real store of the tiny target, online from prepared data, and refusals."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from eyas.cli import main as eyas_main
+from eyas.common import EyasError
+from eyas.config import load_config
+
+
+@pytest.fixture(scope="module")
+def prepared_and_store(tmp_path_factory):
+    import datasets
+
+    from eyas.data.vocab import build_vocab, save_vocab
+    from eyas.store import capture
+
+    root = tmp_path_factory.mktemp("train_cmd")
+    rng = np.random.default_rng(0)
+    rows = {"sample_id": [], "input_ids": [], "loss_mask": []}
+    for i in range(12):
+        n = int(rng.integers(16, 40))
+        mask = [0] * (n // 3) + [1] * (n - n // 3)
+        rows["sample_id"].append(f"s{i}")
+        rows["input_ids"].append(rng.integers(0, 256, n).tolist())
+        rows["loss_mask"].append(mask)
+    datasets.Dataset.from_dict(rows).save_to_disk(str(root / "prepared" / "dataset"))
+    counts = torch.zeros(320, dtype=torch.long)
+    for ids in rows["input_ids"]:
+        counts += torch.bincount(torch.tensor(ids), minlength=320)
+    save_vocab(build_vocab(counts, 200), root / "prepared" / "vocab.safetensors")
+    capture(load_config("tiny"), str(root / "prepared"), str(root / "store"))
+    return root
+
+
+TINY = ["--config", "tiny", "--steps", "3", "--set", "train.log_every=1"]
+
+
+def test_store_and_online_sources_train_the_same_draft(prepared_and_store, capsys):
+    root = prepared_and_store
+    assert eyas_main(["train", *TINY, "--store", str(root / "store"), "--out", str(root / "run")]) == 0
+    assert eyas_main(["train", *TINY, "--source", "online", "--data", str(root / "prepared"),
+                      "--out", str(root / "online")]) == 0
+    out = capsys.readouterr().out
+    assert "step 3/3 | loss" in out and "tok/s" in out and "GiB" in out
+    a = load_file(str(root / "run" / "latest" / "model.safetensors"))
+    b = load_file(str(root / "online" / "latest" / "model.safetensors"))
+    vocab = load_file(str(root / "prepared" / "vocab.safetensors"))
+    assert torch.equal(a["d2t"], vocab["d2t"]) and torch.equal(a["t2d"], vocab["t2d"])
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=1e-4, atol=1e-5)
+    meta = json.loads((root / "run" / "latest" / "draft.json").read_text())
+    assert meta["target"]["name"] == "tiny" and meta["aux_layers"] == [1, 2, 3] and meta["store"]
+
+
+@pytest.mark.parametrize("extra, words", [
+    (["--target", "tiny-qwen2"], ["'tiny'", "'tiny-qwen2'"]),
+    (["--set", "target.aux_layers=1,3"], ["aux_layers", "[1, 3]", "[1, 2, 3]"]),
+])
+def test_store_that_does_not_match_the_config_is_refused(prepared_and_store, extra, words, capsys):
+    root = prepared_and_store
+    rc = eyas_main(["train", *TINY, "--store", str(root / "store"), "--out", str(root / "refused"), *extra])
+    err = capsys.readouterr().err
+    assert rc == 2 and "refusing" in err and all(w in err for w in words), err
+    assert not (root / "refused" / "latest").exists()
