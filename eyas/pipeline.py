@@ -474,11 +474,12 @@ def _dir_bytes(path: Path) -> int:
 
 
 def _throughput(run: Path, name: str, wall: float | None) -> str:
-    """From the stage's summary.json ({"throughput": x, "throughput_unit": "tok/s"}), else derived."""
+    """From OUT/summary.json (tokens_per_s or samples_per_s), else derived from what the stage wrote."""
     out = {"prepare": "prepared", "capture": "store"}.get(name, name)
     summary = _read(run / out / "summary.json")
-    if isinstance(rate := _first(summary, "throughput"), (int, float)):
-        return f"{rate:.4g} {summary.get('throughput_unit', '/s')}"
+    for key, unit in (("tokens_per_s", "tok/s"), ("samples_per_s", "samples/s")):
+        if isinstance(rate := _first(summary, key), (int, float)):
+            return f"{rate:.4g} {unit}"
     derived = {"prepare": (_first(_read(run / "prepared" / "prepare.json"), "kept", "num_samples"), "samples/s"),
                "capture": (_first(_read(run / "store" / "manifest.json"), "num_tokens"), "tok/s"),
                "train": (_first(_last_metrics(run), "step"), "steps/s")}

@@ -11,7 +11,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("config_file", nargs="?", default=None, metavar="CONFIG.yaml",
                         help="a YAML config (or give --preset)")
     parser.add_argument("--preset", "--config", dest="preset", default=None,
-                        help="tiny | demo | full, or a YAML file (default: demo)")
+                        help="tiny | demo | full, or a YAML file (default: the run dir's config.yaml, else demo)")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
                         help="override one config value (repeatable)")
     parser.add_argument("--run-dir", required=True, help="where every stage writes; rerun to resume or skip")
@@ -37,12 +37,15 @@ def main(args) -> int:
 
     if args.config_file and args.preset:
         raise EyasError("give either CONFIG.yaml or --preset, not both")
-    cfg = load_config(args.config_file or args.preset, args.overrides)
+    run = Path(args.run_dir)
+    source = args.config_file or args.preset
+    if source is None and (run / "config.yaml").is_file():
+        source = str(run / "config.yaml")  # a rerun without a config continues with the run's own
+    cfg = load_config(source, args.overrides)
     opts = RunOptions(gpus=[int(d) for d in args.gpus.split(",") if d.strip()] if args.gpus is not None else None,
                       wait_for_gpus=args.wait_for_gpus, overlap=not args.no_overlap,
                       stage_timeout=args.stage_timeout, grace_s=args.grace,
                       release_timeout_s=args.release_timeout, echo=not args.quiet)
-    run = Path(args.run_dir)
     try:
         runner = run_pipeline(cfg, run, opts)
     except Terminated as e:

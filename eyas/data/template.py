@@ -108,6 +108,9 @@ class ChatTemplate:
             except TemplateMismatch as e:
                 layout.append(e)
                 continue
+            except Exception as e:  # noqa: BLE001 -- a template may raise (jinja's raise_exception) on any input
+                layout.append(TemplateMismatch(f"{type(e).__name__}: {e}"))
+                continue
             parts, pos = [], 0
             for start, end in spans:
                 if start > pos:

@@ -191,7 +191,8 @@ def load_draft(path: str | Path, embed_tokens=None):
     expected = draft.state_dict()
     for name, value in state.items():
         if name in expected and tuple(value.shape) != tuple(expected[name].shape):
-            raise EyasError(f"{d}: {name} has shape {list(value.shape)}, the config implies {list(expected[name].shape)}")
+            raise EyasError(f"{d}: {name} has shape {list(value.shape)}, "
+                            f"the config implies {list(expected[name].shape)}")
     has_embed = EMBED in state
     if not has_embed:
         if embed_tokens is not None:

@@ -13,7 +13,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from eyas.common import EyasError, atomic_write_json, atomic_write_text, print0, sha256_file, warn
+from eyas.common import EyasError, atomic_write_json, atomic_write_text, print0, read_json, sha256_file, warn
 from eyas.export import configs
 from eyas.export.configs import FORMATS, TORCH_DTYPE_NAMES
 from eyas.export.keys import EMBED, to_midlayer
@@ -51,12 +51,13 @@ def check_exportable(draft, meta: dict, formats: list[str]) -> None:
                         f"export it only with --to speculators, or train with train.features=fused")
     store = meta.get("store")
     if store and (Path(store) / "manifest.json").is_file():
-        from eyas.common import read_json
-
         manifest = read_json(Path(store) / "manifest.json")
-        if manifest.get("aux_layers") not in (None, aux):
-            raise EyasError(f"{src}: the checkpoint records aux layers {aux} but its store {store} captured "
-                            f"{manifest['aux_layers']}")
+        captured = manifest.get("aux_layers")
+        # a "last"-features draft (EAGLE-2 style baseline) uses only the deepest captured layer
+        expected = captured[-1:] if captured and meta.get("features") == "last" else captured
+        if expected is not None and expected != aux:
+            raise EyasError(f"{src}: the checkpoint records aux layers {aux} ({meta.get('features')} features) "
+                            f"but its store {store} captured {captured}")
         found = manifest.get("target") or {}
         if found.get("config_hash") not in (None, ident["config_hash"]):
             raise EyasError(f"{src}: the checkpoint's target {ident} differs from its store's target {found}")
@@ -121,7 +122,8 @@ def _write_one(fmt: str, final: Path, state: dict, meta: dict, dtype: str) -> Pa
             "aux_layers_convention": "sglang (HF - 1)" if fmt == "sglang" else "hf",
             "target": meta.get("target"), "target_spec": meta.get("target_spec"),
             "target_num_layers": meta.get("num_layers"), "target_architectures": meta.get("target_architectures"),
-            "target_name_or_path": meta.get("target_name_or_path"), "features": meta.get("features"), "ttt": meta.get("ttt"), "draft_config": dc,
+            "target_name_or_path": meta.get("target_name_or_path"),
+            "features": meta.get("features"), "ttt": meta.get("ttt"), "draft_config": dc,
             "source": meta.get("path"), "weights_sha256": sha256_file(tmp / "model.safetensors"),
         })
         atomic_write_text(tmp / "README.md", configs.readme(fmt, str(final.resolve()), meta, written, dtype))

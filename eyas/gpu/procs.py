@@ -1,17 +1,20 @@
-"""Stage processes: start each in its own session, record it, end its process group and nothing else.
+"""Stage processes: start each in its own session, record it, end it with all its descendants and
+nothing else.
 
-A stage is started with `start_new_session`, so its pid is also its process-group id, and every
-process it forks stays in that group unless it leaves on purpose. Teardown signals that group only.
-The runner does not reap the stage's leader until the group is empty: while the leader is an unreaped
-zombie its pid (the group id) cannot be given to another process, so `killpg` never reaches a
-stranger.
+A stage is started with `start_new_session`, so its pid is also its process-group id, and every process
+it forks stays in that group unless it leaves on purpose. The stage and everything it starts also
+carry a random token in their environment (EYAS_STAGE_TOKEN), which finds the descendants that did
+leave the group: torchrun, for one, starts each worker in a session of its own.
+
+Teardown signals the group and the token carriers, never anything else. The runner does not reap the
+stage's leader until all of them are gone: while the leader is an unreaped zombie its pid (the group
+id) cannot be given to another process, so `killpg` never reaches a stranger.
 
 A runner that was itself killed leaves records in RUN/processes.json: pid, start time (clock ticks
-since boot, field 22 of /proc/<pid>/stat), group and a random token that the stage and all its
-descendants carry in their environment. The next runner ends a recorded process only if its pid
-still has the recorded start time, and members of a group whose leader is gone only if they carry
-the token. A process that reused a recorded pid has another start time and is left alone. Signals to
-such orphans go through a pidfd opened before the check, so the check cannot go stale.
+since boot, field 22 of /proc/<pid>/stat), group and token. The next runner treats the recorded pid as
+its own only if it still has the recorded start time (then its group is too); other processes only if
+they carry the token. A process that reused a recorded pid has another start time and is left alone.
+Signals to those orphans go through a pidfd opened before the check, so the check cannot go stale.
 """
 
 from __future__ import annotations
@@ -62,11 +65,6 @@ def all_procs() -> list[ProcInfo]:
     return found
 
 
-def group_members(pgid: int) -> list[int]:
-    """Live (not zombie) processes of a process group."""
-    return [p.pid for p in all_procs() if p.pgid == pgid and p.state != "Z"]
-
-
 def has_token(pid: int, token: str) -> bool:
     try:
         environ = Path(f"/proc/{pid}/environ").read_bytes()
@@ -83,6 +81,74 @@ def cmdline(pid: int) -> str:
     return raw.replace(b"\0", b" ").decode(errors="replace").strip() or "?"
 
 
+def _belongs(p: ProcInfo, pid: int, start: int, token: str, leader_ours: bool) -> bool:
+    """Is `p` the recorded stage process `pid` or one of its descendants?"""
+    if p.state == "Z":
+        return False
+    if p.pid == pid:
+        return p.start == start
+    return (leader_ours and p.pgid == pid) or has_token(p.pid, token)
+
+
+def members(pid: int, start: int, token: str) -> list[int]:
+    """Live processes of a stage: its leader, its group while the leader is ours, its token carriers."""
+    leader = proc_info(pid)
+    leader_ours = leader is not None and leader.start == start
+    return [p.pid for p in all_procs() if _belongs(p, pid, start, token, leader_ours)]
+
+
+def _pidfd(pid: int) -> int | None:
+    try:
+        return os.pidfd_open(pid)
+    except (ProcessLookupError, AttributeError, OSError):
+        return None
+
+
+def _signal_checked(pids: list[int], pid: int, start: int, token: str, sig: int) -> None:
+    """Send `sig` to each of `pids` that still belongs to the stage, checked after taking a pidfd."""
+    for target in pids:
+        fd = _pidfd(target)
+        try:
+            info = proc_info(target)
+            leader = proc_info(pid)
+            if info is None or not _belongs(info, pid, start, token, leader is not None and leader.start == start):
+                continue
+            if fd is not None:
+                signal.pidfd_send_signal(fd, sig)
+            else:
+                os.kill(target, sig)
+        except ProcessLookupError:
+            pass
+        finally:
+            if fd is not None:
+                os.close(fd)
+
+
+def end_stage(pid: int, start: int, token: str, grace_s: float, kill_wait_s: float,
+              seen: set[int] | None = None) -> tuple[list[int], list[int]]:
+    """SIGTERM to every process of the stage, wait up to `grace_s` for them to go, SIGKILL to the rest,
+    wait up to `kill_wait_s`. Returns (pids that needed SIGKILL, pids alive even after it)."""
+    seen = set() if seen is None else seen
+    killed: list[int] = []
+    for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, kill_wait_s)):
+        deadline = time.monotonic() + wait_s
+        signalled: set[int] = set()
+        while True:
+            live = members(pid, start, token)
+            seen.update(live)
+            if not live:
+                return killed, []
+            if time.monotonic() >= deadline:
+                break
+            new = [p for p in live if p not in signalled]  # descendants started meanwhile get it too
+            _signal_checked(new, pid, start, token, sig)
+            signalled.update(new)
+            time.sleep(POLL_S)
+        if sig == signal.SIGTERM:
+            killed = live
+    return killed, live
+
+
 # ---------------------------------------------------------------- our own stage processes
 
 @dataclass
@@ -95,7 +161,7 @@ class StageProcess:
     devices: list[int]
     log: Path
     started_at: float = field(default_factory=time.time)
-    seen: set[int] = field(default_factory=set)  # every pid observed in the group (for NVML checks)
+    seen: set[int] = field(default_factory=set)  # every pid observed in the stage (for NVML checks)
     returncode: int | None = None
 
     @property
@@ -116,9 +182,6 @@ class StageProcess:
         except ChildProcessError:
             return True
         return res is not None and res.si_pid == self.pid
-
-    def refresh_seen(self) -> None:
-        self.seen.update(group_members(self.pid))
 
 
 def launch(name: str, argv: list[str], env: dict[str, str], log: Path, devices: list[int]) -> StageProcess:
@@ -142,42 +205,22 @@ class Teardown:
     seconds: float
 
     def message(self) -> str:
-        msg = f"{self.stage}: process group ended in {self.seconds:.1f} s"
+        msg = f"{self.stage}: its processes ended in {self.seconds:.1f} s"
         if self.killed:
-            msg += f" (SIGKILL to {len(self.killed)} process(es) that ignored SIGTERM)"
+            msg += f" (SIGKILL to {len(self.killed)} that ignored SIGTERM)"
         if self.left:
             msg += f"; STILL ALIVE after SIGKILL: pids {self.left}"
         return msg
 
 
-def _wait_group_empty(proc: StageProcess, deadline: float) -> list[int]:
-    while True:
-        members = group_members(proc.pid)
-        proc.seen.update(members)
-        if not members or time.monotonic() >= deadline:
-            return members
-        time.sleep(POLL_S)
-
-
-def _killpg(pgid: int, sig: int) -> None:
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(pgid, sig)
-
-
 def teardown(proc: StageProcess, grace_s: float = 10.0, kill_wait_s: float = 30.0) -> Teardown:
-    """SIGTERM to the stage's group, wait up to `grace_s`, SIGKILL the rest, wait; then reap the leader.
+    """End the stage's leader (if still running), its group and its token carriers; then reap the leader.
 
-    Also the path of a stage that succeeded: whatever it left running in its group is ended.
+    Also the path of a stage that succeeded: whatever it left running is ended.
     """
     t0 = time.monotonic()
-    killed: list[int] = []
-    left: list[int] = []
-    if group_members(proc.pid):
-        _killpg(proc.pid, signal.SIGTERM)
-        killed = _wait_group_empty(proc, time.monotonic() + grace_s)
-        if killed:
-            _killpg(proc.pid, signal.SIGKILL)
-            left = _wait_group_empty(proc, time.monotonic() + kill_wait_s)
+    # the leader is our unreaped child, so its start time still matches and its group is ours
+    killed, left = end_stage(proc.pid, proc.start, proc.token, grace_s, kill_wait_s, proc.seen)
     if proc.returncode is None:
         proc.returncode = proc.popen.wait()  # reaps the leader: only now may its pid be reused
     return Teardown(proc.name, proc.returncode, killed, left, time.monotonic() - t0)
@@ -185,73 +228,22 @@ def teardown(proc: StageProcess, grace_s: float = 10.0, kill_wait_s: float = 30.
 
 # ---------------------------------------------------------------- orphans of a killed runner
 
-def _pidfd(pid: int) -> int | None:
-    try:
-        return os.pidfd_open(pid)
-    except (ProcessLookupError, AttributeError, OSError):
-        return None
-
-
-def _signal_if(pid: int, ok, sig: int) -> bool:
-    """Send `sig` to `pid` if `ok(pid)` holds, with the check made after taking a pidfd."""
-    fd = _pidfd(pid)
-    try:
-        if not ok(pid):
-            return False
-        if fd is not None:
-            signal.pidfd_send_signal(fd, sig)
-        else:
-            os.kill(pid, sig)
-        return True
-    except ProcessLookupError:
-        return False
-    finally:
-        if fd is not None:
-            os.close(fd)
-
-
-def _belongs(rec: dict, p: ProcInfo) -> bool:
-    if p.pgid != rec["pgid"] or p.state == "Z":
-        return False
-    return (p.pid == rec["pid"] and p.start == rec["start_ticks"]) or has_token(p.pid, rec["token"])
-
-
-def orphan_pids(rec: dict) -> tuple[list[int], str | None]:
-    """Live processes that belong to a recorded stage, and a note when its pid now belongs to another."""
-    leader = proc_info(rec["pid"])
-    if leader is not None and leader.start != rec["start_ticks"]:
-        # the pid was reused; the recorded group cannot have members left (its id would be reserved)
-        return [], f"pid {rec['pid']} now belongs to another process ({cmdline(rec['pid'])[:60]!r}); left alone"
-    return [p.pid for p in all_procs() if _belongs(rec, p)], None
-
-
 def end_orphans(rec: dict, grace_s: float = 10.0, kill_wait_s: float = 30.0) -> tuple[list[str], set[int]]:
-    """End what is left of a recorded stage process group; returns lines for the user and the pids ended."""
+    """End what is left of a recorded stage; returns lines for the user and the pids ended."""
+    pid, start, token = rec["pid"], rec["start_ticks"], rec["token"]
     notes = []
-    pids, note = orphan_pids(rec)
-    if note:
-        notes.append(f"{rec['stage']}: {note}")
-    if not pids:
+    leader = proc_info(pid)
+    if leader is not None and leader.start != start:
+        notes.append(f"{rec['stage']}: pid {pid} now belongs to another process ({cmdline(pid)[:60]!r}); left alone")
+    found = members(pid, start, token)
+    if not found:
         return notes, set()
-    ended = set(pids)
-
-    def still_ours(pid: int) -> bool:
-        info = proc_info(pid)
-        return info is not None and _belongs(rec, info)
-
-    notes.append(f"{rec['stage']}: ending {len(pids)} orphaned process(es) of an earlier runner: pids {pids}")
-    for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, kill_wait_s)):
-        deadline = time.monotonic() + wait_s
-        while pids and time.monotonic() < deadline:
-            for p in pids:
-                _signal_if(p, still_ours, sig)
-            time.sleep(POLL_S)
-            pids = orphan_pids(rec)[0]
-            ended.update(pids)
-        if not pids:
-            return notes, ended
-    notes.append(f"{rec['stage']}: STILL ALIVE after SIGKILL: pids {pids}")
-    return notes, ended
+    notes.append(f"{rec['stage']}: ending {len(found)} orphaned process(es) of an earlier runner: pids {found}")
+    seen: set[int] = set()
+    _, left = end_stage(pid, start, token, grace_s, kill_wait_s, seen)
+    if left:
+        notes.append(f"{rec['stage']}: STILL ALIVE after SIGKILL: pids {left}")
+    return notes, seen
 
 
 # ---------------------------------------------------------------- the runner's own signals and lock

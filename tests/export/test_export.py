@@ -213,6 +213,10 @@ def test_embed_from_store_and_store_consistency(make_run, tiny_target, tmp_path)
     other, _ = make_run(name="other", store=_fake_store(tmp_path / "store2", tiny_target, [1, 2]))
     with pytest.raises(EyasError, match=r"its store .* captured \[1, 2\]"):
         export(other, tmp_path / "out2", "all")
+    # a "last"-features draft records only the deepest captured layer: consistent with its store
+    last, _ = make_run(name="last", aux=[3], num_aux=1, features="last",
+                       store=_fake_store(tmp_path / "store3", tiny_target, [1, 2, 3]))
+    assert export(last, tmp_path / "out3", ["speculators"])
 
 
 def test_flat_configs_without_eyas_json(make_run, tiny_target, tmp_path):

@@ -1,7 +1,7 @@
 """A stand-in for a stage command, for the pipeline tests: no eyas, no torch, starts in milliseconds.
 
-It appends one JSON line about itself to --record, can spawn a child and grandchildren (one of which
-ignores SIGTERM) and list their pids in --pids, then writes --out, fails, or hangs as --mode says.
+It appends one JSON line about itself to --record, can spawn children and grandchildren (some ignore
+SIGTERM, one starts a session of its own) and list their pids in --pids, then writes --out, fails, or hangs as --mode says.
 """
 
 import argparse
@@ -46,9 +46,11 @@ if args.spawn:
               f'sleep 1000 & echo "grandchild-ignoring-term $!" >> {pids}; wait')
     child = subprocess.Popen(["sh", "-c", script])  # the shell itself ignores SIGTERM after the trap
     plain = subprocess.Popen(["sleep", "1000"])
+    escaped = subprocess.Popen(["sleep", "1000"], start_new_session=True)  # as torchrun starts its workers
     with open(pids, "a") as f:
-        f.write(f"leader {os.getpid()}\nchild-shell {child.pid}\nchild-sleep {plain.pid}\n")
-    while len(pids.read_text().splitlines()) < 5:  # until the shell has listed both grandchildren
+        f.write(f"leader {os.getpid()}\nchild-shell {child.pid}\nchild-sleep {plain.pid}\n"
+                f"child-own-session {escaped.pid}\n")
+    while len(pids.read_text().splitlines()) < 6:  # until the shell has listed both grandchildren
         time.sleep(0.01)
 
 if args.fail_if and Path(args.fail_if).exists():

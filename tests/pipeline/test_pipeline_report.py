@@ -18,15 +18,19 @@ def test_report_from_stage_outputs(tmp_path):
                                                              "shards": [{"file": "shard-00000.safetensors"}]}))
     (run / "train").mkdir()
     (run / "train" / "metrics.jsonl").write_text('{"step": 6, "loss": 2.5}\n{"step": 12, "loss": 1.25}\n')
+    (run / "prepared").mkdir()
+    (run / "prepared" / "summary.json").write_text(json.dumps({"wall_s": 1.0, "samples_per_s": 48.0}))
     (run / "eval").mkdir()
     (run / "eval" / "mt-bench-chain3.json").write_text(json.dumps(
         {"summary": {"tau": 1.75, "tau_per_request": 1.7, "per_position": [0.5, 0.25, 0.1], "speedup": 1.2}}))
     (run / "eval" / "broken-chain3.json").write_text("{not json")
     (run / "export" / "vllm").mkdir(parents=True)
     (run / "export" / "vllm" / "README.md").write_text("```\nvllm serve /models/t --speculative-config '{}'\n```\n")
-    state = {"capture": {"status": "done", "wall_s": 2.0, "devices": [0]}, "train": {"status": "done", "wall_s": 4.0}}
+    state = {"prepare": {"status": "done", "wall_s": 1.0}, "capture": {"status": "done", "wall_s": 2.0, "devices": [0]},
+             "train": {"status": "done", "wall_s": 4.0}}
     summary = write_report(run, load_config("tiny"), state)
     md = (run / "report.md").read_text()
+    assert "| prepare | done | 1.0 s | 48 samples/s | cpu |" in md
     assert "| capture | done | 2.0 s | 2400 tok/s | 0 |" in md
     assert "| train | done | 4.0 s | 3 steps/s | cpu |" in md
     assert "| mt-bench-chain3 | 1.750 | 1.700 | 1.200 |" in md and "| broken-chain3 | ? |" in md

@@ -1,8 +1,8 @@
 """Stage processes are ended as a whole group on every path, and nothing else is ever touched.
 
 Real processes throughout: the runner is eyas's own (run as a subprocess, so it can be interrupted and
-killed), the stages are fake_stage.py, which leaves a child shell, a sleeping child and two grandchildren
-behind, one of them (and the shell) ignoring SIGTERM.
+killed), the stages are fake_stage.py, which leaves a child shell, a sleeping child, a child in a session of its
+own (as torchrun's workers are) and two grandchildren behind, one of them (and the shell) ignoring SIGTERM.
 """
 
 import json
@@ -65,7 +65,7 @@ def test_stage_group_is_gone_and_decoy_survives(tmp_path, decoy, path):
     mode = {"success": "ok", "failure": "fail"}.get(path, "hang")
     runner = start_runner(tmp_path, ["--spawn", "--pids", str(pids_file), "--mode", mode],
                           timeout_s=1.0 if path == "timeout" else 0.0)
-    wait_until(lambda: pids_file.exists() and len(pids_file.read_text().splitlines()) == 5, what="stage pids")
+    wait_until(lambda: pids_file.exists() and len(pids_file.read_text().splitlines()) == 6, what="stage pids")
     pids = listed_pids(pids_file)
     if path in ("ctrl-c", "sigterm"):
         assert all(alive(p) for p in pids.values())
@@ -87,7 +87,7 @@ def test_stage_group_is_gone_and_decoy_survives(tmp_path, decoy, path):
 def test_orphans_of_a_killed_runner_are_ended_and_the_stage_resumes(tmp_path, decoy, leader_dies):
     pids_file, record = tmp_path / "pids", tmp_path / "record.jsonl"
     runner = start_runner(tmp_path, ["--spawn", "--pids", str(pids_file), "--mode", "hang"])
-    wait_until(lambda: pids_file.exists() and len(pids_file.read_text().splitlines()) == 5, what="stage pids")
+    wait_until(lambda: pids_file.exists() and len(pids_file.read_text().splitlines()) == 6, what="stage pids")
     pids = listed_pids(pids_file)
     runner.kill()
     runner.wait()

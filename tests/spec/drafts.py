@@ -34,7 +34,7 @@ class ScriptedDraft:
     def to_target_ids(self, draft_ids):
         return draft_ids
 
-    def _logits_at(self, p: int) -> torch.Tensor:
+    def _logits_at(self, p: int, token: int) -> torch.Tensor:
         logits = torch.zeros(self.vocab_size)
         right = self.sequence[p + 2] if p + 2 < len(self.sequence) else 0
         wrong = (right + 1) % self.vocab_size
@@ -48,7 +48,7 @@ class ScriptedDraft:
     def __call__(self, hidden, input_ids, position_ids, past_key_values=None, attention_mask=None):
         b, t = input_ids.shape
         self.num_fed += t
-        logits = torch.stack([self._logits_at(int(p)) for p in position_ids[0]])[None]  # [1, T, V]
+        logits = torch.stack([self._logits_at(int(p), int(x)) for p, x in zip(position_ids[0], input_ids[0])])[None]
         new = position_ids.float().view(b, 1, t, 1)
         k = new if past_key_values is None else torch.cat([past_key_values[0], new], dim=2)
         return DraftOutput(torch.zeros(b, t, self.hidden_size), logits, (k, k))

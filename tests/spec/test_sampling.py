@@ -59,14 +59,20 @@ def test_speculative_sampling_matches_target(tiny_target):
     temperature = 1.0
     joint = exact_pair_distribution(tiny_target.model, PROMPT, temperature)
     v = joint.shape[0]
-    # propose the most likely second tokens (ignoring x1) so that accepts and rejects both happen
-    popular = joint.sum(0).topk(3).indices.tolist()
-    draft = ScriptedDraft(PROMPT + [0] + popular[:1] + [0] * 8, v)
-    draft._logits_at = lambda p: torch.tensor([9.0 if t == popular[0] else 8.0 if t == popular[1] else
-                                               7.0 if t == popular[2] else 0.0 for t in range(v)])
+    # after x1 the draft proposes the three likeliest x2 given x1, so that accepts and rejects both happen
+    second = joint / joint.sum(1, keepdim=True).clamp_min(1e-30)
+    best = second.topk(3, dim=1).indices  # [V, 3]
+
+    def logits_at(p, token):
+        logits = torch.zeros(v)
+        logits[best[token]] = torch.tensor([9.0, 8.0, 7.0])
+        return logits
+
+    draft = ScriptedDraft(PROMPT, v)
+    draft._logits_at = logits_at
     engine = SpecEngine(tiny_target.model, draft, [1, 2, 3])
     g = torch.Generator().manual_seed(1)
-    n = 1500
+    n = 1200
     counts = torch.zeros(v * v)
     accepted = 0
     for _ in range(n):

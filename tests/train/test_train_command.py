@@ -8,7 +8,6 @@ import torch
 from safetensors.torch import load_file
 
 from eyas.cli import main as eyas_main
-from eyas.common import EyasError
 from eyas.config import load_config
 
 
