@@ -120,7 +120,7 @@ def main(argv=None) -> int:
         ("step time", f"{seconds * 1000:.1f} ms"),
         ("tokens/s", f"{tokens / seconds:,.0f}"),
         ("model TFLOP/s", f"{achieved:.2f} ({(train_flops + head_flops) / 1e9:.2f} GFLOP/token)"),
-        ("MFU", f"{100 * achieved / peak:.1f}% of {peak:.0f} TFLOP/s" if peak else "n/a (pass --peak-tflops)"),
+        ("MFU", f"{100 * achieved / peak:.1f}% of {peak:.3g} TFLOP/s" if peak else "n/a (pass --peak-tflops)"),
         ("peak memory", f"{peak_memory_gib(device):.1f} GiB"),
     ]
     width = max(len(r[0]) for r in rows)

@@ -62,6 +62,9 @@ class DataConfig:
     regen_temperature: float = 0.0
     regen_batch_size: int = 16
     regen_concurrency: int = 8
+    # torch threads for local regeneration; 0 = torch's default. On cores shared with other
+    # processes one thread was 5-10x faster than two (docs/perf/data.md)
+    regen_threads: int = 0
     draft_vocab: int = 32000
     seed: int = 0
 
@@ -74,6 +77,8 @@ class DataConfig:
             raise ConfigError(f"data.draft_vocab={self.draft_vocab} must be >= 1")
         if self.num_prompts < 1:
             raise ConfigError(f"data.num_prompts={self.num_prompts} must be >= 1")
+        if self.regen_threads < 0:
+            raise ConfigError(f"data.regen_threads={self.regen_threads} must be >= 0 (0 = torch's default)")
 
 
 @dataclass
@@ -134,6 +139,8 @@ class EvalConfig:
     temperature: float = 0.0
     max_new_tokens: int = 128
     limit: int = 0  # prompts per benchmark; 0 = all
+    hf_baseline: bool = True  # also time transformers `generate` on the same prompts (plain decoding is always timed)
+    threads: int = 0  # torch CPU threads for eval; 0 = torch's default (1 is often faster on shared cores)
 
     def __post_init__(self):
         if any(k < 1 for k in self.steps):

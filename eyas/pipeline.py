@@ -50,7 +50,7 @@ class Stage:
     reads: tuple[str, ...]  # run-dir paths (outputs of earlier stages)
     writes: str  # the run-dir path it writes
     config: tuple[str, ...]  # config sections or section.key it depends on
-    gpus: str  # none | one | all
+    gpus: str | Callable[[RunConfig], str]  # none | one | all
     commands: Callable[[Ctx], list[Cmd]]
     when: Callable[[RunConfig], bool] = lambda cfg: True
     tails: str | None = None  # may run alongside this stage, reading its output as it grows
@@ -86,9 +86,10 @@ def _train(ctx: Ctx) -> list[Cmd]:
 
 def _eval(ctx: Ctx) -> list[Cmd]:
     ev = ctx.cfg.eval
-    settings = [(f"chain{k}", ["--steps", str(k)]) for k in ev.steps]
+    # one process per benchmark and setting: RUN/eval/<bench>-<setting>.json (+ .png), resumable one by one
+    settings = [(f"chain-{k}", ["--steps", str(k)]) for k in ev.steps]
     if ev.tree:
-        settings.append(("tree" + ev.tree.replace(",", "-"), ["--tree", ev.tree]))
+        settings.append(("tree-" + ev.tree.replace(",", "x"), ["--tree", ev.tree]))
     cmds = []
     for bench in ev.benches:
         for name, flags in settings:
@@ -108,16 +109,20 @@ def _store_mode(cfg: RunConfig) -> bool:
     return cfg.capture.mode == "store"
 
 
+def _regen_gpu(cfg: RunConfig) -> str:
+    return "one" if cfg.data.regenerate == "local" else "none"  # a URL: the server has the GPUs
+
+
 STAGES = (
-    #     name       reads                   writes      depends on config                     gpus    commands
-    Stage("prepare", (),                     "prepared", ("target.spec", "data"),              "one",  _prepare,
+    #     name       reads                   writes      depends on config                     gpus        commands
+    Stage("prepare", (),                     "prepared", ("target.spec", "target.dtype", "data"), _regen_gpu, _prepare,
           external=lambda cfg: cfg.data.data),
-    Stage("capture", ("prepared",),          "store",    ("target", "capture"),                "all",  _capture,
+    Stage("capture", ("prepared",),          "store",    ("target", "capture"),                "all",      _capture,
           when=_store_mode),
-    Stage("train",   ("prepared", "store"),  "train",    ("target", "capture.mode", "train"),  "all",  _train,
+    Stage("train",   ("prepared", "store"),  "train",    ("target", "capture.mode", "train"),  "all",      _train,
           tails="capture"),
-    Stage("eval",    ("train",),             "eval",     ("target", "eval"),                   "one",  _eval),
-    Stage("export",  ("train",),             "export",   ("export",),                          "none", _export),
+    Stage("eval",    ("train",),             "eval",     ("target", "eval"),                   "one",      _eval),
+    Stage("export",  ("train",),             "export",   ("export",),                          "none",     _export),
 )
 
 
@@ -260,9 +265,10 @@ class Runner:
         return "fresh", "first run"
 
     def devices_for(self, stage: Stage, share: int = 0, of: int = 1) -> list[int]:
-        if stage.gpus == "none" or not self.pool:
+        need = stage.gpus(self.cfg) if callable(stage.gpus) else stage.gpus
+        if need == "none" or not self.pool:
             return []
-        if stage.gpus == "one":
+        if need == "one":
             return self.pool[:1]
         if of == 1:
             return list(self.pool)
@@ -480,7 +486,7 @@ def _throughput(run: Path, name: str, wall: float | None) -> str:
     for key, unit in (("tokens_per_s", "tok/s"), ("samples_per_s", "samples/s")):
         if isinstance(rate := _first(summary, key), (int, float)):
             return f"{rate:.4g} {unit}"
-    derived = {"prepare": (_first(_read(run / "prepared" / "prepare.json"), "kept", "num_samples"), "samples/s"),
+    derived = {"prepare": (_first(_read(run / "prepared" / "prepare.json"), "num_kept", "num_samples"), "samples/s"),
                "capture": (_first(_read(run / "store" / "manifest.json"), "num_tokens"), "tok/s"),
                "train": (_first(_last_metrics(run), "step"), "steps/s")}
     n, unit = derived.get(name, (None, ""))
@@ -502,11 +508,10 @@ def eval_results(run: Path) -> list[dict]:
     for path in sorted((run / "eval").glob("*.json")):
         doc = _read(path) or {}
         s = doc.get("summary", doc) if isinstance(doc, dict) else {}
-        speedup = _first(s, "speedup", "speedup_vs_plain")
-        rows.append({"name": path.stem, "tau": _first(s, "tau", "tau_pooled", "acceptance_length"),
-                     "tau_request": _first(s, "tau_per_request", "tau_request_mean"),
-                     "per_position": _first(s, "per_position", "per_position_acceptance") or [],
-                     "speedup": speedup.get("plain") if isinstance(speedup, dict) else speedup,
+        rows.append({"name": path.stem, "tau": _first(s, "tau_pooled", "tau"),
+                     "tau_request": _first(s, "tau_per_request"),
+                     "per_position": _first(s, "accept_at_position", "per_position") or [],
+                     "speedup": _first(s, "speedup_vs_plain", "speedup"),
                      "png": path.with_suffix(".png") if path.with_suffix(".png").exists() else None})
     return rows
 
@@ -586,7 +591,8 @@ def write_report(run: Path, cfg: RunConfig, state: dict) -> list[str]:
             md += ["", "![training curves](train/curves.png)"]
     rows = eval_results(run)
     if rows:
-        md += ["", "## Speculative decoding", "", "| benchmark-setting | tau | tau per request | speedup |", "|---|---|---|---|"]
+        md += ["", "## Speculative decoding", "", "| benchmark-setting | tau | tau per request | speedup |",
+               "|---|---|---|---|"]
         for r in rows:
             fmt = lambda v: f"{v:.3f}" if isinstance(v, (int, float)) else "?"  # noqa: E731
             md.append(f"| {r['name']} | {fmt(r['tau'])} | {fmt(r['tau_request'])} | {fmt(r['speedup'])} |")

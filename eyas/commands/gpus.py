@@ -16,6 +16,9 @@ def main(args) -> int:
         print(f"eyas gpus: {nvml.why_unavailable()}; there is nothing to list (stages run on the CPU)")
         return 0
     devices = [int(d) for d in args.gpus.split(",")] if args.gpus else None
+    if not nvml.gpus():
+        print("eyas gpus: the NVIDIA driver is loaded but sees no GPU")
+        return 0
     for g in nvml.gpus():
         if devices is None or g.index in devices:
             print(f"gpu {g.index}: {g.name}, {g.used_mib:.0f} / {g.total_mib:.0f} MiB used")

@@ -94,7 +94,7 @@ def _topic_paragraphs() -> list[tuple[str, str]]:
             if para.startswith((" ", "*", "=")) or "::=" in para:
                 continue  # grammar, code and underlines are not prose
             flat = " ".join(para.split())
-            if 160 <= len(flat) <= 900 and flat.isascii():
+            if 160 <= len(flat) <= 600 and flat.isascii():  # long passages make prefill the cost of regeneration
                 out.append((title, flat))
     return out
 
@@ -103,7 +103,9 @@ def _zen() -> list[str]:
     spec = importlib.util.find_spec("this")
     if spec is None or not spec.origin:
         return []
-    source = open(spec.origin, encoding="utf-8").read()
+    from pathlib import Path
+
+    source = Path(spec.origin).read_text(encoding="utf-8")
     encoded = re.search(r's = """(.*?)"""', source, re.S)
     if not encoded:
         return []

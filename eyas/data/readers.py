@@ -30,7 +30,7 @@ REASONS = {
     "duplicate_id": "the id was already seen in the input",
     "template_mismatch": "the chat template does not render this conversation as a sequence of prefixes",
     "too_long": "longer than data.max_length tokens (data.on_long=drop)",
-    "no_assistant_tokens": "no assistant token left inside data.max_length after truncation",
+    "no_assistant_tokens": "no assistant token in the sample (or none left inside data.max_length after truncation)",
     "regeneration_failed": "the target (or endpoint) produced no response for this prompt",
 }
 

@@ -122,7 +122,7 @@ def generate_batch(model, prompts: list[list[int]], *, max_new_tokens: int, stop
 
 
 def regenerate_local(target, prompts: list[dict], out_path: str | Path, *, template, max_new_tokens: int,
-                     temperature: float = 0.0, batch_size: int = 16, seed: int = 0,
+                     temperature: float = 0.0, batch_size: int = 16, seed: int = 0, threads: int = 0,
                      on_batch: Callable[[int], None] | None = None) -> dict[str, dict]:
     """Generate a response for each {id, messages} prompt not yet in `out_path`; returns all results.
 
@@ -137,6 +137,9 @@ def regenerate_local(target, prompts: list[dict], out_path: str | Path, *, templ
     encoded = [(p, template.prompt_ids(p["messages"])) for p in todo]
     encoded.sort(key=lambda e: len(e[1]))  # similar lengths share a batch: little padding
     generator = torch.Generator().manual_seed(seed)
+    saved_threads = torch.get_num_threads()
+    if threads > 0:
+        torch.set_num_threads(threads)
     sink = ResultsFile(out_path)
     num_tokens, t0 = 0, time.perf_counter()
     bar = progress(total=len(prompts), initial=len(prompts) - len(todo), desc="regenerate", unit="sample")
@@ -162,4 +165,5 @@ def regenerate_local(target, prompts: list[dict], out_path: str | Path, *, templ
     finally:
         bar.close()
         sink.close()
+        torch.set_num_threads(saved_threads)
     return done

@@ -16,11 +16,24 @@ import torch
 
 def count_tokens(batches, vocab_size: int) -> torch.Tensor:
     """token_counts int64 [V] from an iterable of (input_ids, loss_mask) sequence pairs."""
+    from itertools import compress
+
     counts = torch.zeros(vocab_size, dtype=torch.int64)
+    masked: list[int] = []
+
+    def flush() -> None:
+        if masked:
+            counts.add_(torch.bincount(torch.tensor(masked, dtype=torch.int64), minlength=vocab_size)[:vocab_size])
+            masked.clear()
+
+    # one bincount per million tokens: a [V] bincount per sample costs more than the counting itself
     for ids, mask in batches:
-        ids = torch.as_tensor(ids, dtype=torch.int64)
-        mask = torch.as_tensor(mask, dtype=torch.bool)
-        counts += torch.bincount(ids[mask], minlength=vocab_size)[:vocab_size]
+        if isinstance(ids, torch.Tensor):
+            ids, mask = ids.tolist(), mask.tolist()
+        masked.extend(compress(ids, mask))
+        if len(masked) > 1 << 20:
+            flush()
+    flush()
     return counts
 
 

@@ -47,7 +47,8 @@ def _nvml():
             pynvml.nvmlInit()
             _state["module"] = pynvml
         except ImportError:
-            _state["module"], _state["why"] = None, "the nvidia-ml-py package is not installed (pip install nvidia-ml-py)"
+            _state["module"] = None
+            _state["why"] = "the nvidia-ml-py package is not installed (pip install nvidia-ml-py)"
         except Exception as e:  # pynvml.NVMLError_LibraryNotFound, _DriverNotLoaded, ...
             _state["module"], _state["why"] = None, f"no NVIDIA driver or GPU found (NVML: {e})"
     return _state["module"]

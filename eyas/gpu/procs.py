@@ -117,7 +117,7 @@ def _signal_checked(pids: list[int], pid: int, start: int, token: str, sig: int)
                 signal.pidfd_send_signal(fd, sig)
             else:
                 os.kill(target, sig)
-        except ProcessLookupError:
+        except (ProcessLookupError, PermissionError):  # gone, or became another user's (setuid)
             pass
         finally:
             if fd is not None:

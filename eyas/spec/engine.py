@@ -66,8 +66,8 @@ class SpecEngine:
         self.draft = draft
         self.runner = TargetRunner(target_model, aux_layers if draft is not None else None)
         self.device = next(target_model.parameters()).device
-        self.draft_dtype = next(draft.parameters()).dtype if draft is not None and hasattr(draft, "parameters") \
-            and any(True for _ in draft.parameters()) else None
+        first = next(iter(draft.parameters()), None) if draft is not None else None
+        self.draft_dtype = first.dtype if first is not None else None  # scripted drafts have no parameters
         self.draft_forward_tokens = 0
 
     def _sync(self) -> None:

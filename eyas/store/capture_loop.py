@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from eyas.common import EyasError, format_bytes, print0, progress, warn
+from eyas.common import EyasError, format_bytes, print0, progress, sha256_file, warn
 from eyas.store.batching import auto_token_budget, plan_fingerprint, plan_shards, token_batches
 from eyas.store.codec import bytes_per_token, encode
 from eyas.store.manifest import HEAD_FILE, MANIFEST, RESUME_KEYS, SCHEMA_VERSION, committed_shards
@@ -164,8 +164,6 @@ def open_store(store: Path, fresh: dict, target) -> dict:
     tmp = store / f".{HEAD_FILE}.tmp"
     write_shard_file(tmp, head, {"target": json.dumps(target.identity)})
     os.replace(tmp, store / HEAD_FILE)
-    from eyas.common import sha256_file
-
     fresh["target_head"] = {"file": HEAD_FILE, "sha256": sha256_file(store / HEAD_FILE)}
     write_manifest(store, fresh)
     return fresh
@@ -244,9 +242,18 @@ def _capture(cfg, prepared: Prepared, store: Path, target, rank: int, world: int
     if int(prepared.tokens.max()) >= target.vocab_size:
         raise EyasError(f"{prepared.path} holds token id {int(prepared.tokens.max())} but {target.name} has a vocabulary "
                         f"of {target.vocab_size}: the data was prepared with another tokenizer; re-run `eyas prepare`")
+    made_with = prepared.info.get("tokenizer_hash")
+    if made_with and made_with != target.identity.get("tokenizer_hash"):
+        raise EyasError(f"{prepared.path} was prepared with another tokenizer ({made_with}) than {target.name}'s "
+                        f"({target.identity.get('tokenizer_hash')}); re-run `eyas prepare` with this target")
     lengths = prepared.lengths
     shards = plan_shards(lengths, cfg.capture.shard_tokens)
+    max_len = int(lengths.max())
     fresh = new_manifest(cfg, target, features, prepared, shards, dtype)
+    # the first run's budget is recorded and reused on resume, so that a resumed store is bit-identical
+    # to an uninterrupted one (batch composition changes the low bits of the results)
+    fresh["token_budget"] = cfg.capture.token_budget or auto_token_budget(
+        target, features.num_aux, max_len, cfg.capture.ram_budget_gb)
     if rank == 0:
         manifest = open_store(store, fresh, target)
     _barrier(world)
@@ -254,11 +261,12 @@ def _capture(cfg, prepared: Prepared, store: Path, target, rank: int, world: int
         manifest = read_manifest(store)
     done = {rec["index"] for rec in committed_shards(store, manifest)}
     todo = [i for i in range(len(shards)) if i % world == rank and i not in done]
-    if done:
+    if done and not todo and world == 1 and len(done) == len(shards):
+        print0(f"{store} already holds all {len(shards)} shards; nothing to capture")
+    elif done:
         print0(f"resuming {store}: {len(done)} of {len(shards)} shards already committed")
 
-    max_len = int(lengths.max())
-    budget = cfg.capture.token_budget or auto_token_budget(target, features.num_aux, max_len, cfg.capture.ram_budget_gb)
+    budget = cfg.capture.token_budget or manifest.get("token_budget") or fresh["token_budget"]
     pad_id = target.tokenizer.pad_token_id or 0
     runner = BatchRunner(features, prepared, dtype, budget, cfg.capture.inject_oom_tokens, pad_id)
     per_token = bytes_per_token(dtype, features.num_aux, target.hidden_size)
@@ -266,7 +274,7 @@ def _capture(cfg, prepared: Prepared, store: Path, target, rank: int, world: int
     remaining = sum(int(lengths[shards[i]].sum()) for i in todo)
     print0(f"capture {target.name} -> {store}: layers {features.aux_layers} + final (post-norm), {dtype}, "
            f"{len(todo)} shard(s) to write on rank {rank} of {world}, token budget {budget} "
-           f"({'set' if cfg.capture.token_budget else 'from free memory'})")
+           f"({'set' if cfg.capture.token_budget else 'from free memory, kept for resumes'})")
     bar = progress(total=remaining, unit="tok", unit_scale=True, desc="capture", smoothing=0.1)
     t0 = time.time()
     num_samples = num_tokens = 0
@@ -278,7 +286,7 @@ def _capture(cfg, prepared: Prepared, store: Path, target, rank: int, world: int
             for batch in token_batches(rows, lengths, runner.budget):
                 job.pieces += runner.run(batch)
                 bar.update(int(lengths[batch].sum()))
-            writer.remaining_tokens = remaining
+            job.tokens_left = remaining
             writer.submit(job)
             remaining -= int(lengths[rows].sum())
             num_samples, num_tokens = num_samples + len(rows), num_tokens + int(lengths[rows].sum())
@@ -293,8 +301,10 @@ def _capture(cfg, prepared: Prepared, store: Path, target, rank: int, world: int
 
     num_samples, num_tokens, splits = _sum_over_ranks([num_samples, num_tokens, runner.num_splits], world)
     _barrier(world)
-    final = finish_store(store) if rank == 0 else read_manifest(store)
+    if rank == 0:
+        finish_store(store)
     _barrier(world)
+    final = read_manifest(store)
     summary = {
         "store": str(store), "complete": final["complete"], "dtype": dtype, "aux_layers": features.aux_layers,
         "num_samples": int(num_samples), "num_tokens": int(num_tokens), "wall_s": round(wall, 3),

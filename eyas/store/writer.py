@@ -45,6 +45,7 @@ class ShardJob:
     input_ids: list[np.ndarray]  # n arrays [T_i]
     loss_mask: list[np.ndarray]
     pieces: list[Piece] = field(default_factory=list)
+    tokens_left: int = 0  # tokens of this and the later shards of this rank (to say how much space is needed)
 
 
 def write_shard_file(path: Path, tensors: dict, metadata: dict) -> None:
@@ -96,7 +97,6 @@ class ShardWriter:
         self.bytes_per_token = bytes_per_token
         self.mine: list[dict] = []  # records committed by this process
         self.error: BaseException | None = None
-        self.remaining_tokens = 0  # set by the capture loop; only used to say how much space is needed
         self._queue: queue.Queue = queue.Queue(maxsize=depth)
         self._thread = threading.Thread(target=self._run, name="eyas-shard-writer", daemon=True)
         self._thread.start()
@@ -160,7 +160,7 @@ class ShardWriter:
         tokens = sum(len(x) for x in job.input_ids)
         if e.errno in (errno.ENOSPC, errno.EDQUOT):
             shard_need = tokens * self.bytes_per_token
-            rest = max(self.remaining_tokens, tokens) * self.bytes_per_token
+            rest = max(job.tokens_left, tokens) * self.bytes_per_token
             try:
                 free = format_bytes(shutil.disk_usage(self.store).free)
             except OSError:

@@ -1,7 +1,8 @@
 """A stand-in for a stage command, for the pipeline tests: no eyas, no torch, starts in milliseconds.
 
 It appends one JSON line about itself to --record, can spawn children and grandchildren (some ignore
-SIGTERM, one starts a session of its own) and list their pids in --pids, then writes --out, fails, or hangs as --mode says.
+SIGTERM, one starts a session of its own) and list their pids in --pids, then writes --out, fails, or
+hangs as --mode says.
 """
 
 import argparse

@@ -189,3 +189,13 @@ def test_real_stage_table_commands(tmp_path):
     assert [s.name for s in STAGES if s.when(online)] == ["prepare", "train", "eval", "export"]
     train = next(s for s in STAGES if s.name == "train").commands(Ctx(online, tmp_path, 1, False, False))[0].argv
     assert train[train.index("--source") + 1] == "online" and train[:3] == [sys.executable, "-m", "eyas"]
+
+
+def test_one_runner_per_run_dir(tmp_path):
+    from eyas.gpu import procs
+
+    run = tmp_path / "run"
+    with procs.exclusive(run / ".runner.lock", "held by the test"):
+        with pytest.raises(EyasError, match="another `eyas run` works there"):
+            run_pipeline(load_config("tiny"), run, QUIET, chain(tmp_path))
+    assert not (tmp_path / "record.jsonl").exists()

@@ -5,7 +5,7 @@ import torch
 
 from eyas.spec.engine import SpecEngine
 from eyas.target import resolve_aux_layers
-from tests.spec.drafts import ScriptedDraft, always_wrong
+from eyas.spec.oracle import ScriptedDraft, always_wrong
 
 PROMPT = [1, 72, 101, 108, 108, 111, 32, 119, 111, 114, 108, 100, 2]
 
@@ -114,3 +114,16 @@ def test_per_cycle_cost_does_not_grow_with_context(tiny_target, setting):
         width = setting.get("steps") or setting["tree"][2]
         assert max(target_counts[1:]) == width + 1
     assert per_cycle[8] == per_cycle[400]
+
+
+@pytest.mark.parametrize("kind", ["tiny-qwen2", "tiny-moe"])
+def test_other_families_are_lossless(kind):
+    from eyas.target import load_target
+
+    target = load_target(kind, device="cpu", dtype="fp32")
+    ref = greedy_reference(target, PROMPT, 16)
+    draft = ScriptedDraft(PROMPT + ref + [0] * 8, target.vocab_size, wrong_at=lambda p: p % 3 == 0)
+    aux = resolve_aux_layers(None, target.num_layers)
+    for setting in (dict(steps=3), dict(tree=(2, 3, 6))):
+        res = SpecEngine(target.model, draft, aux).generate(PROMPT, 16, **setting)
+        assert res.tokens == ref and res.tau > 1.5

@@ -1,5 +1,7 @@
 """Helpers for store tests: prepared directories built directly (the layout of docs/INTERNALS.md)."""
 
+import json
+
 import numpy as np
 
 
@@ -17,6 +19,7 @@ def make_prepared(path, num_samples=24, vocab=259, min_len=5, max_len=40, seed=0
     datasets.Dataset.from_dict({
         "sample_id": [f"s{i:04d}" for i in range(num_samples)], "input_ids": ids, "loss_mask": masks,
     }).save_to_disk(str(path / "dataset"))
+    (path / "prepare.json").write_text(json.dumps({"source": "store tests", "num_kept": int(num_samples)}))
     return path
 
 

@@ -26,6 +26,7 @@ def test_round_trip_layout_and_manifest(tmp_path, prepared, tiny_target):
     assert manifest["schema_version"] == 1 and manifest["complete"] is True
     assert manifest["aux_layers"] == [1, 2, 3] and manifest["final_hidden"] == "post_norm"
     assert manifest["target"] == tiny_target.identity and manifest["dtype"] == "fp32"
+    assert manifest["token_budget"] == 128  # reused on resume
     assert manifest["target_config"]["hidden_size"] == 64 and manifest["target_config"]["num_hidden_layers"] == 4
     assert sum(s["num_tokens"] for s in manifest["shards"]) == manifest["num_tokens"]
     assert sorted(p.name for p in store.iterdir()) == sorted(
@@ -98,3 +99,18 @@ def test_rerun_with_other_settings_is_refused(tmp_path, prepared, tiny_target):
     other = make_prepared(tmp_path / "other", num_samples=10, seed=5)
     with pytest.raises(EyasError, match="plan"):
         _capture(store, other, tiny_target, "fp32")
+
+
+def test_token_budget_from_ram_and_batches_by_tokens(tiny_target):
+    import numpy as np
+
+    from eyas.store.batching import auto_token_budget, plan_shards, token_batches
+
+    small = auto_token_budget(tiny_target, 3, max_len=40, ram_budget_gb=0.001)
+    large = auto_token_budget(tiny_target, 3, max_len=40, ram_budget_gb=0.1)
+    assert 40 <= small < large <= 16384
+    lengths = np.array([5, 40, 12, 40, 7, 30])
+    shards = plan_shards(lengths, shard_tokens=60)
+    assert [s.tolist() for s in shards] == [[1], [3], [5, 2, 4, 0]]  # longest first, ties by row, <= 60 tokens
+    batches = token_batches(np.array([1, 3, 5, 2, 4, 0]), lengths, budget=80)
+    assert [b.tolist() for b in batches] == [[1, 3], [5, 2], [4, 0]]  # count x longest <= 80

@@ -57,3 +57,20 @@ def test_verify_recomputation_catches_wrong_states(tmp_path, prepared, tiny_targ
     out = capsys.readouterr().out
     assert "MISMATCH: sample" in out and "aux 2: relative error" in out
     assert "aux 1: relative" not in out and "final: relative" not in out
+
+
+def test_capture_command_flags_then_verify(tmp_path, prepared, capsys):
+    store = tmp_path / "cli"
+    argv = ["capture", "--config", "tiny", "--device", "cpu", "--data", str(prepared), "--out", str(store),
+            "--layers", "1,3", "--dtype", "bf16", "--token-budget", "64", "--shard-tokens", "100"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "layers [1, 3] + final (post-norm), bf16" in out and "B/token" in out and "complete" in out
+    manifest = json.loads((store / "manifest.json").read_text())
+    assert manifest["aux_layers"] == [1, 3] and manifest["dtype"] == "bf16" and manifest["shard_tokens"] == 100
+    assert all(s["num_tokens"] <= 100 for s in manifest["shards"] if s["num_samples"] > 1)
+    assert main(argv) == 0 and "nothing to capture" in capsys.readouterr().out
+    assert main(["capture", "--config", "tiny", "--device", "cpu", "--data", str(prepared), "--out", str(store),
+                 "--layers", "1,2"]) == 2
+    assert "differs in: aux_layers" in capsys.readouterr().err
+    assert main(["verify", str(store), "--samples", "2"]) == 0

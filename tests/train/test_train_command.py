@@ -28,6 +28,7 @@ def prepared_and_store(tmp_path_factory):
         rows["input_ids"].append(rng.integers(0, 256, n).tolist())
         rows["loss_mask"].append(mask)
     datasets.Dataset.from_dict(rows).save_to_disk(str(root / "prepared" / "dataset"))
+    (root / "prepared" / "prepare.json").write_text(json.dumps({"source": "test", "kept": len(rows["sample_id"])}))
     counts = torch.zeros(320, dtype=torch.long)
     for ids in rows["input_ids"]:
         counts += torch.bincount(torch.tensor(ids), minlength=320)

@@ -45,7 +45,7 @@ def naive_logits(draft, batch, ttt):
     """Chain drafting with the KV cache, one anchor at a time: what inference does."""
     ids = batch["input_ids"]
     b, t = ids.shape
-    pos = torch.arange(t).expand(b, t)
+    pos = torch.arange(t, device=ids.device).expand(b, t)
     step0 = draft(draft.fuse(batch["aux_hidden"]), shift_left(ids, 1), pos)
     out = [step0.logits] + [torch.full_like(step0.logits, float("nan")) for _ in range(1, ttt)]
     k_cache, v_cache = step0.past_key_values
@@ -55,7 +55,7 @@ def naive_logits(draft, batch, ttt):
         for k in range(1, ttt):
             if anchor + 1 + k >= t:
                 break
-            o = draft(h, ids[:, anchor + 1 + k:anchor + 2 + k], torch.full((b, 1), anchor + k), past_key_values=past)
+            o = draft(h, ids[:, anchor + 1 + k:anchor + 2 + k], torch.full((b, 1), anchor + k, device=ids.device), past_key_values=past)
             out[k][:, anchor] = o.logits[:, 0]
             past, h = o.past_key_values, o.hidden_out
     return out

@@ -1,4 +1,4 @@
-"""Draft stand-ins with Eagle3Draft's interface, for the classic speculative-decoding cases.
+"""Scripted drafts with Eagle3Draft's interface: the classic test cases and the engine's ceiling in benchmarks.
 
 `ScriptedDraft` knows the sequence the target will produce (prompt + its greedy output) and, for the
 entry at position p (which carries token p+1), proposes token p+2 of that sequence: an oracle.
@@ -29,7 +29,7 @@ class ScriptedDraft:
         return iter(())
 
     def fuse(self, aux_hidden):
-        return torch.zeros(*aux_hidden.shape[:-1], self.hidden_size)
+        return torch.zeros(*aux_hidden.shape[:-1], self.hidden_size, device=aux_hidden.device)
 
     def to_target_ids(self, draft_ids):
         return draft_ids
@@ -48,10 +48,11 @@ class ScriptedDraft:
     def __call__(self, hidden, input_ids, position_ids, past_key_values=None, attention_mask=None):
         b, t = input_ids.shape
         self.num_fed += t
-        logits = torch.stack([self._logits_at(int(p), int(x)) for p, x in zip(position_ids[0], input_ids[0])])[None]
+        rows = [self._logits_at(int(p), int(x)) for p, x in zip(position_ids[0].tolist(), input_ids[0].tolist())]
+        logits = torch.stack(rows)[None].to(input_ids.device)  # [1, T, V]
         new = position_ids.float().view(b, 1, t, 1)
         k = new if past_key_values is None else torch.cat([past_key_values[0], new], dim=2)
-        return DraftOutput(torch.zeros(b, t, self.hidden_size), logits, (k, k))
+        return DraftOutput(torch.zeros(b, t, self.hidden_size, device=input_ids.device), logits, (k, k))
 
 
 def always_wrong(sequence: list[int], vocab_size: int) -> ScriptedDraft:

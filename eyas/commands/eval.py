@@ -1,0 +1,144 @@
+"""`eyas eval`: speculative decoding with a trained draft on MT-bench, HumanEval or a JSONL of prompts.
+
+`evaluate(cfg, draft_path, out_dir, target=None)` is the same work as a Python call for the pipeline.
+The draft is loaded here (the top layer) because `eyas.export.load_draft` sits above `eyas.spec`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+HELP = "speculative decoding with a draft: acceptance length and speedup"
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--config", default="demo", help="preset name or YAML file (default: demo)")
+    p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="override a config key")
+    p.add_argument("--target", help="target spec (HF dir, hub id, .gguf, smollm2, tiny); default: the config's")
+    p.add_argument("--draft", required=True, help="a training run dir, a step dir or an export dir")
+    p.add_argument("--bench", action="append", metavar="mt-bench|humaneval|FILE.jsonl",
+                   help="benchmark (repeatable); a JSONL holds one {id, prompt} or {id, conversations|messages} per line")
+    p.add_argument("--steps", type=int, help="chain length k (alone: no tree run)")
+    p.add_argument("--tree", metavar="TOPK,DEPTH,TOTAL", help="EAGLE-2 dynamic tree, e.g. 4,5,16 (alone: no chain run)")
+    p.add_argument("--temperature", type=float)
+    p.add_argument("--max-new-tokens", type=int)
+    p.add_argument("--limit", type=int, help="prompts per benchmark (0 = all)")
+    p.add_argument("--threads", type=int, help="torch CPU threads (on a busy machine 1 can be several times faster)")
+    p.add_argument("--no-hf-baseline", action="store_true", help="do not time transformers generate")
+    p.add_argument("--out", default="eval/result.json",
+                   help="RESULT.json; with several benchmarks or settings, -BENCH-SETTING is added to the name")
+    p.add_argument("--out-dir", help="write DIR/BENCH-SETTING.json and .png instead (the layout of a run's eval/)")
+
+
+def _config(args):
+    from eyas.config import load_config
+
+    sets = list(args.set)
+    if args.target:
+        sets.append(f"target.spec={args.target}")
+    if args.bench:
+        sets.append(f"eval.benches={','.join(args.bench)}")
+    if args.steps is not None or args.tree is not None:
+        sets.append(f"eval.steps={args.steps if args.steps is not None else ''}")
+        sets.append(f"eval.tree={args.tree if args.tree else 'none'}")
+    for flag, key in (("temperature", "temperature"), ("max_new_tokens", "max_new_tokens"), ("limit", "limit")):
+        if getattr(args, flag) is not None:
+            sets.append(f"eval.{key}={getattr(args, flag)}")
+    if args.no_hf_baseline:
+        sets.append("eval.hf_baseline=false")
+    if args.threads is not None:
+        sets.append(f"eval.threads={args.threads}")
+    return load_config(args.config, sets)
+
+
+def _set_threads(n: int) -> None:
+    if n > 0:
+        import torch
+
+        torch.set_num_threads(n)
+
+
+def main(args) -> int:
+    from eyas.common import EyasError, print0
+    from eyas.spec.bench import bench_name, bench_one, settings_of
+    from eyas.target import load_target
+
+    cfg = _config(args)
+    _set_threads(cfg.eval.threads)
+    settings = settings_of(cfg.eval.steps, cfg.eval.tree)
+    if not settings:
+        raise EyasError("nothing to evaluate: give --steps K and/or --tree TOPK,DEPTH,TOTAL")
+    out = Path(args.out)
+    if out.suffix != ".json":
+        raise EyasError(f"--out {out}: expected a path ending in .json")
+    many = len(settings) * len(cfg.eval.benches) > 1
+    target = load_target(cfg.target.spec, device=cfg.target.device, dtype=cfg.target.dtype)
+    engine, info = build_engine(target, args.draft, cfg.target.aux_layers)
+    print0(f"target {target.name} ({target.device}, {target.dtype}) | draft {args.draft} | aux layers {info['aux']} | "
+           f"settings {', '.join(n for n, _ in settings)} | temperature {cfg.eval.temperature} | "
+           f"max new tokens {cfg.eval.max_new_tokens}")
+    for bench in cfg.eval.benches:
+        paths = {}
+        for name, _ in settings:
+            if args.out_dir:
+                first = Path(args.out_dir) / f"{bench_name(bench)}-{name}.json"
+            else:
+                first = out.with_name(f"{out.stem}-{bench_name(bench)}-{name}.json" if many else out.name)
+            paths[(bench, name)] = (first, first.with_suffix(".png"))
+            first.parent.mkdir(parents=True, exist_ok=True)
+        bench_one(engine, target, bench, settings, cfg.eval.temperature, cfg.eval.max_new_tokens, cfg.eval.limit,
+                  paths, hf=cfg.eval.hf_baseline, extra_settings={"draft": str(args.draft), "aux_layers": info["aux"]})
+        print0(f"results: {', '.join(str(p[0]) for p in paths.values())}")
+    return 0
+
+
+def evaluate(cfg, draft_path, out_dir, target=None, hf: bool | None = None) -> dict:
+    """Run every benchmark x setting of `cfg.eval` with the draft at `draft_path` (a run, step or export
+    dir); write `out_dir/<bench>-<setting>.json|.png`. -> {bench: {setting: summary}}."""
+    from eyas.spec.bench import bench_name, bench_one, settings_of
+    from eyas.target import load_target
+
+    _set_threads(cfg.eval.threads)
+    if target is None:
+        target = load_target(cfg.target.spec, device=cfg.target.device, dtype=cfg.target.dtype)
+    hf = cfg.eval.hf_baseline if hf is None else hf
+    engine, meta = build_engine(target, draft_path, cfg.target.aux_layers)
+    from eyas.common import EyasError
+
+    settings = settings_of(cfg.eval.steps, cfg.eval.tree)
+    if not settings:
+        raise EyasError("nothing to evaluate: give eval.steps (chain lengths) and/or eval.tree")
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    results = {}
+    for bench in cfg.eval.benches:
+        paths = {(bench, n): (out_dir / f"{bench_name(bench)}-{n}.json", out_dir / f"{bench_name(bench)}-{n}.png")
+                 for n, _ in settings}
+        results[bench_name(bench)] = bench_one(engine, target, bench, settings, cfg.eval.temperature,
+                                               cfg.eval.max_new_tokens, cfg.eval.limit, paths, hf=hf,
+                                               extra_settings={"draft": str(draft_path), "aux_layers": meta["aux"]})
+    return results
+
+
+def build_engine(target, draft_path, aux_layers=None) -> tuple[SpecEngine, dict]:
+    """Load a draft for `target` and check that it fits; -> (engine, {"aux": HF ids, "meta": draft meta})."""
+    from eyas.common import EyasError, warn
+    from eyas.export import load_draft
+    from eyas.spec.engine import SpecEngine
+    from eyas.target import resolve_aux_layers
+
+    draft, meta = load_draft(draft_path, embed_tokens=target.embed_tokens.weight)
+    dc = draft.cfg
+    if dc.hidden_size != target.hidden_size or dc.vocab_size != target.vocab_size:
+        raise EyasError(f"draft {draft_path} was built for hidden size {dc.hidden_size} and vocab {dc.vocab_size}, "
+                        f"the target {target.name} has {target.hidden_size} and {target.vocab_size}; "
+                        f"pass the draft's own target with --target")
+    known = meta.get("target") or {}
+    if known.get("config_hash") and known["config_hash"] != target.identity.get("config_hash"):
+        warn(f"draft {draft_path} was trained for target {known.get('name')!r} ({known['config_hash']}), "
+             f"evaluating with {target.name!r} ({target.identity.get('config_hash')})")
+    aux = meta.get("aux_layers") or resolve_aux_layers(aux_layers, target.num_layers)
+    if len(aux) != dc.num_aux_layers:
+        raise EyasError(f"draft {draft_path} fuses {dc.num_aux_layers} aux layers but {len(aux)} ids are known ({aux})")
+    draft = draft.to(device=target.device, dtype=target.dtype)
+    return SpecEngine(target.model, draft, aux), {"aux": aux, "meta": meta}

@@ -1,0 +1,234 @@
+"""`prepare`: conversations -> (optionally regenerated) -> token ids + loss masks -> dataset + vocab.
+
+Writes OUT/dataset/ (HF Arrow), OUT/vocab.safetensors and, last, OUT/prepare.json: a directory
+with prepare.json is complete. Regeneration results live in OUT/regen-<settings hash>.jsonl and
+survive a crash, so a rerun continues where it stopped.
+
+Length policy: the default is `drop` (data.on_long): a truncated sample trains the draft on a
+response without its end-of-turn token, and keeping the data clean costs only the long tail.
+`truncate` keeps the first max_length tokens if any assistant token is left.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import shutil
+import time
+from collections import Counter
+from pathlib import Path
+
+from eyas.common import EyasError, atomic_write_json, print0, sha256_json
+from eyas.config import RunConfig
+from eyas.data.readers import REASONS, Conversation, Skip, read_sources
+from eyas.data.template import ChatTemplate, TemplateMismatch, stop_token_ids
+
+CHUNK = 512  # conversations per batched tokenizer call
+
+
+class _Report:
+    """Counts per skip reason and the first place each one happened."""
+
+    def __init__(self):
+        self.counts: Counter = Counter()
+        self.first: dict[str, str] = {}
+        self.details: dict[str, str] = {}
+
+    def skip(self, reason: str, where: str, detail: str = "") -> None:
+        assert reason in REASONS, reason
+        self.counts[reason] += 1
+        if reason not in self.first:
+            self.first[reason] = where
+            self.details[reason] = detail
+
+    def line(self) -> str:
+        return "; ".join(f"{r}: {n} (first at {self.first[r]})" for r, n in sorted(self.counts.items()))
+
+
+def _strict_check(cfg: RunConfig, report: _Report) -> None:
+    if cfg.data.strict and report.counts:
+        raise EyasError(f"--strict: {sum(report.counts.values())} record(s) would be skipped: {report.line()}")
+
+
+def _load_conversations(cfg: RunConfig, report: _Report) -> tuple[list[Conversation], dict]:
+    dc = cfg.data
+    if dc.data:
+        convs = []
+        for item in read_sources(dc.data, dc.format, need_assistant=dc.regenerate is None):
+            if isinstance(item, Skip):
+                report.skip(item.reason, item.where, item.detail)
+            else:
+                convs.append(item)
+        return convs, {"kind": "files", "paths": list(dc.data), "format": dc.format}
+    from eyas.data.corpus import default_prompts
+
+    if not dc.regenerate:
+        raise EyasError("the built-in corpus holds prompts only; add --regenerate local (or a server URL), "
+                        "or give conversations with --data")
+
+    prompts = default_prompts(dc.num_prompts, dc.seed)
+    if len(prompts) < dc.num_prompts:
+        print0(f"the built-in corpus holds {len(prompts)} prompts; data.num_prompts={dc.num_prompts} asked for more")
+    convs = [Conversation(p["id"], [{"role": "user", "content": p["prompt"]}], f"builtin:{p['id']}")
+             for p in prompts]
+    digest = hashlib.sha256("\n".join(p["prompt"] for p in prompts).encode()).hexdigest()[:16]
+    return convs, {"kind": "builtin-corpus", "num_prompts": len(prompts), "seed": dc.seed, "corpus_hash": digest}
+
+
+def _regenerate(cfg: RunConfig, target, template: ChatTemplate, convs: list[Conversation], out: Path,
+                report: _Report) -> tuple[list[Conversation], dict]:
+    """Replace the last assistant turn of each conversation by the target's own response.
+
+    Earlier assistant turns of a multi-turn conversation stay as given (and are trained on): each
+    turn regenerated in sequence would cost one generation per turn for a small gain.
+    """
+    dc = cfg.data
+    prompts = []
+    for c in convs:
+        msgs = c.messages[:-1] if c.messages[-1]["role"] == "assistant" else c.messages
+        prompts.append({"id": c.sample_id, "messages": msgs})
+    settings = {"target": target.identity, "mode": dc.regenerate, "max_new_tokens": dc.regen_max_new_tokens,
+                "temperature": dc.regen_temperature, "seed": dc.seed}
+    path = out / f"regen-{sha256_json(settings)[:12]}.jsonl"
+    t0 = time.perf_counter()
+    if dc.regenerate == "local":
+        from eyas.data.regenerate import regenerate_local
+
+        results = regenerate_local(target, prompts, path, template=template, max_new_tokens=dc.regen_max_new_tokens,
+                                   temperature=dc.regen_temperature, batch_size=dc.regen_batch_size, seed=dc.seed,
+                                   threads=dc.regen_threads)
+    else:
+        from eyas.data.endpoint import regenerate_endpoint
+
+        results = regenerate_endpoint(dc.regenerate, prompts, path, max_new_tokens=dc.regen_max_new_tokens,
+                                      temperature=dc.regen_temperature, concurrency=dc.regen_concurrency)
+    seconds = time.perf_counter() - t0
+    kept = []
+    for c, p in zip(convs, prompts):
+        rec = results.get(c.sample_id)
+        if rec is None or not str(rec.get("response", "")).strip():
+            report.skip("regeneration_failed", c.where, "no response" if rec is None else "empty response")
+            continue
+        kept.append(Conversation(c.sample_id, p["messages"] + [{"role": "assistant", "content": rec["response"]}],
+                                 c.where))
+    num_tokens = sum(int(results[c.sample_id].get("num_tokens") or 0) for c in kept)
+    finishes = Counter(str(results[c.sample_id].get("finish")) for c in kept)
+    return kept, {"mode": dc.regenerate, "results": path.name, "settings": settings, "num_responses": len(kept),
+                  "num_tokens": num_tokens, "finish": dict(finishes), "seconds_this_run": round(seconds, 2)}
+
+
+def _tokenize(cfg: RunConfig, template: ChatTemplate, convs: list[Conversation], report: _Report) -> tuple[dict, dict]:
+    max_len, truncate = cfg.data.max_length, cfg.data.on_long == "truncate"
+    cols = {"sample_id": [], "input_ids": [], "loss_mask": []}
+    num_truncated = num_tokens = num_masked = 0
+    for start in range(0, len(convs), CHUNK):
+        chunk = convs[start:start + CHUNK]
+        for c, tok in zip(chunk, template.tokenize_many([c.messages for c in chunk])):
+            if isinstance(tok, TemplateMismatch):
+                report.skip("template_mismatch", c.where, str(tok)[:200])
+                continue
+            ids, mask = tok.input_ids, tok.loss_mask
+            if not any(mask):
+                report.skip("no_assistant_tokens", c.where)
+                continue
+            if len(ids) > max_len:
+                if not truncate:
+                    report.skip("too_long", c.where, f"{len(ids)} tokens")
+                    continue
+                ids, mask = ids[:max_len], mask[:max_len]
+                if not any(mask):
+                    report.skip("no_assistant_tokens", c.where)
+                    continue
+                num_truncated += 1
+            cols["sample_id"].append(c.sample_id)
+            cols["input_ids"].append(ids)
+            cols["loss_mask"].append(mask)
+            num_tokens += len(ids)
+            num_masked += sum(mask)
+    policy = {"max_length": max_len, "on_long": cfg.data.on_long, "num_truncated": num_truncated,
+              "num_dropped_too_long": report.counts.get("too_long", 0)}
+    return cols, {"length_policy": policy, "num_tokens": num_tokens, "num_loss_tokens": num_masked}
+
+
+def _write_dataset(cols: dict, out: Path) -> None:
+    import datasets
+
+    features = datasets.Features({"sample_id": datasets.Value("string"),
+                                  "input_ids": datasets.Sequence(datasets.Value("int32")),
+                                  "loss_mask": datasets.Sequence(datasets.Value("int8"))})
+    ds = datasets.Dataset.from_dict(cols, features=features)
+    tmp, final = out / ".dataset.tmp", out / "dataset"
+    shutil.rmtree(tmp, ignore_errors=True)
+    ds.save_to_disk(str(tmp))
+    shutil.rmtree(final, ignore_errors=True)
+    tmp.rename(final)
+
+
+def prepare(cfg: RunConfig, out_dir: str | Path, target) -> dict:
+    """Run the whole data stage into `out_dir` with a loaded target; returns the prepare.json summary.
+
+    `data` sits below `target` in the layering, so the caller loads the target
+    (eyas.commands.prepare.run_prepare does it from cfg.target).
+    """
+    from eyas.data.vocab import build_vocab, count_tokens, save_vocab
+
+    t0 = time.perf_counter()
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "prepare.json").unlink(missing_ok=True)  # the directory is incomplete until it is rewritten
+    tok = target.tokenizer
+    try:
+        template = ChatTemplate(tok, stop_token_ids(tok, getattr(target.model, "generation_config", None)))
+    except ValueError as e:
+        raise EyasError(str(e)) from None
+    report = _Report()
+    convs, source = _load_conversations(cfg, report)
+    num_read = len(convs) + sum(report.counts.values())
+    _strict_check(cfg, report)
+    regen = None
+    if cfg.data.regenerate:
+        convs, regen = _regenerate(cfg, target, template, convs, out, report)
+    t1 = time.perf_counter()
+    cols, token_stats = _tokenize(cfg, template, convs, report)
+    tokenize_s = time.perf_counter() - t1
+    _strict_check(cfg, report)
+    num_kept = len(cols["sample_id"])
+    if num_kept == 0:
+        why = report.line() or "the input holds no conversation"
+        raise EyasError(f"no usable conversation in the input ({why}); see `eyas prepare --help` for the formats")
+    _write_dataset(cols, out)
+    counts = count_tokens(zip(cols["input_ids"], cols["loss_mask"]), target.vocab_size)
+    vocab_meta = save_vocab(build_vocab(counts, cfg.data.draft_vocab), out / "vocab.safetensors")
+    vocab_meta["num_seen_tokens"] = int((counts > 0).sum())
+    seconds = time.perf_counter() - t0
+    summary = {
+        "source": source,
+        "target": target.identity,
+        "target_spec": cfg.target.spec,
+        "template_hash": hashlib.sha256(str(tok.chat_template).encode()).hexdigest()[:16],
+        "tokenizer_hash": target.identity.get("tokenizer_hash"),
+        "stop_token_ids": template.stop_ids,
+        "num_read": num_read,
+        "num_kept": num_kept,
+        "num_dropped": sum(report.counts.values()),
+        "dropped": dict(sorted(report.counts.items())),
+        "first_at": dict(sorted(report.first.items())),
+        "reasons": {r: REASONS[r] for r in sorted(report.counts)},
+        **token_stats,
+        "regeneration": regen,
+        "vocab": vocab_meta,
+        "seconds": round(seconds, 2),
+        "tokenize_conversations_per_s": round(len(convs) / tokenize_s, 1) if tokenize_s > 0 else None,
+        "data_config": cfg.data.__dict__.copy(),
+    }
+    atomic_write_json(out / "prepare.json", summary)
+    return summary
+
+
+def load_prepared(path: str | Path):
+    """The prepared dataset (datasets.Dataset with sample_id, input_ids, loss_mask) of a prepare directory."""
+    import datasets
+
+    path = Path(path)
+    if not (path / "prepare.json").is_file() or not (path / "dataset").is_dir():
+        raise EyasError(f"{path} is not a complete prepared-data directory (no prepare.json); run `eyas prepare --out {path}`")
+    return datasets.load_from_disk(str(path / "dataset"))

@@ -1,0 +1,228 @@
+"""Benchmarks: MT-bench, HumanEval or a user JSONL, through the engine, with baselines and results.
+
+A benchmark is a list of requests `{"id", "turns": [user message, ...]}`. Each turn is encoded with
+the chat template over the conversation so far, whose assistant turns are the model's own answers
+(MT-bench's second turn follows the first answer). The same contexts are then decoded by plain
+decoding in the same engine and by transformers `generate`, after a warm-up, for the speedups.
+At temperature 0 the speculative tokens must equal plain decoding's; mismatches are counted.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import time
+from pathlib import Path
+
+from eyas.common import EyasError, atomic_write_json, print0, progress
+from eyas.spec.engine import SpecEngine
+from eyas.spec.stats import format_summary, plot_acceptance, summarize
+
+BUILTIN = ("mt-bench", "humaneval")
+
+
+def bench_name(bench: str) -> str:
+    return bench if bench in BUILTIN else Path(bench).stem
+
+
+def load_bench(bench: str, limit: int = 0) -> list[dict]:
+    """-> [{"id": str, "turns": [str, ...]}] for a built-in benchmark name or a JSONL file."""
+    if bench == "mt-bench":
+        from eyas.data.benchmarks import mtbench_questions
+
+        items = [{"id": q["id"], "turns": list(q["turns"])} for q in mtbench_questions()]
+    elif bench == "humaneval":
+        from eyas.data.benchmarks import humaneval_prompts
+
+        items = [{"id": q["id"], "turns": [q["prompt"]]} for q in humaneval_prompts()]
+    else:
+        items = _read_jsonl(Path(bench))
+    return items[:limit] if limit else items
+
+
+def _read_jsonl(path: Path) -> list[dict]:
+    if not path.is_file():
+        raise EyasError(f"--bench {path}: not mt-bench, humaneval or an existing JSONL file")
+    items = []
+    with open(path, encoding="utf-8") as f:
+        for num, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            where = f"{path}:{num}"
+            try:
+                rec = json.loads(line)
+            except ValueError as e:
+                raise EyasError(f"{where}: not valid JSON ({e})") from None
+            if not isinstance(rec, dict):
+                raise EyasError(f"{where}: expected a JSON object with id and prompt or conversations/messages")
+            turns = _user_turns(rec, where)
+            items.append({"id": str(rec.get("id", num)), "turns": turns})
+    if not items:
+        raise EyasError(f"{path}: no prompts in the file")
+    return items
+
+
+def _user_turns(rec: dict, where: str) -> list[str]:
+    if isinstance(rec.get("prompt"), str):
+        return [rec["prompt"]]
+    msgs = rec.get("conversations", rec.get("messages"))
+    if not isinstance(msgs, list):
+        raise EyasError(f"{where}: needs a string 'prompt' or a list 'conversations'/'messages'")
+    turns = []
+    for m in msgs:
+        role = m.get("role", m.get("from")) if isinstance(m, dict) else None
+        text = m.get("content", m.get("value")) if isinstance(m, dict) else None
+        if role in ("user", "human") and isinstance(text, str):
+            turns.append(text)
+    if not turns:
+        raise EyasError(f"{where}: the conversation has no user turn")
+    return turns
+
+
+def encode_turn(tokenizer, history: list[dict]) -> list[int]:
+    """Token ids of a conversation ending with a user turn, ready for the assistant's answer."""
+    if getattr(tokenizer, "chat_template", None):
+        ids = tokenizer.apply_chat_template(history, add_generation_prompt=True, tokenize=True)
+        return list(ids if isinstance(ids, list) else ids["input_ids"])
+    text = "\n\n".join(m["content"] for m in history) + "\n\n"
+    return tokenizer(text)["input_ids"]
+
+
+def parse_tree(tree: str | None):
+    return tuple(int(x) for x in tree.split(",")) if tree else None
+
+
+def settings_of(steps: list[int], tree: str | None) -> list[tuple[str, dict]]:
+    out = [(f"chain-{k}", {"steps": k}) for k in steps]
+    if tree:
+        out.append(("tree-" + "x".join(tree.split(",")), {"tree": parse_tree(tree)}))
+    return out
+
+
+def _generator(engine, seed: int):
+    import torch
+
+    return torch.Generator(device=engine.device).manual_seed(seed)
+
+
+def run_spec(engine: SpecEngine, tokenizer, requests: list[dict], setting: dict, temperature: float,
+             max_new_tokens: int, eos: list[int], seed: int = 0, desc: str = "") -> tuple[list[dict], list[dict]]:
+    """-> (per-request records for the JSON, per-request stats for `summarize`)."""
+    gen = _generator(engine, seed)
+    records, stats = [], []
+    for req in progress(requests, desc=desc, unit="req"):
+        history, turns = [], []
+        st = {"accepted": [], "num_tokens": 0, "draft_s": 0.0, "verify_s": 0.0, "prefill_s": 0.0, "total_s": 0.0}
+        for text in req["turns"]:
+            history.append({"role": "user", "content": text})
+            ids = encode_turn(tokenizer, history)
+            res = engine.generate(ids, max_new_tokens, temperature=temperature, eos_token_ids=eos, generator=gen,
+                                  **setting)
+            answer = tokenizer.decode(res.tokens, skip_special_tokens=True)
+            history.append({"role": "assistant", "content": answer})
+            turns.append({"prompt_ids": ids, "tokens": res.tokens, "text": answer, "num_cycles": res.num_cycles,
+                          "accepted": res.accepted_per_cycle})
+            st["accepted"] += res.accepted_per_cycle
+            st["num_tokens"] += len(res.tokens)
+            for k in ("draft_s", "verify_s", "prefill_s", "total_s"):
+                st[k] += getattr(res, k)
+        records.append({"id": req["id"], "turns": turns})
+        stats.append(st)
+    return records, stats
+
+
+def run_baselines(engine: SpecEngine, model, records: list[dict], temperature: float, max_new_tokens: int,
+                  eos: list[int], hf: bool = True, pad_id=None, seed: int = 0) -> dict:
+    """Plain decoding (same engine) and transformers generate on the contexts of `records`."""
+    import torch
+
+    gen = _generator(engine, seed)
+    contexts = [t["prompt_ids"] for r in records for t in r["turns"]]
+    plain_tokens, plain_n, plain_s = [], 0, 0.0
+    for ids in progress(contexts, desc="plain decoding", unit="turn"):
+        res = engine.plain_generate(ids, max_new_tokens, temperature=temperature, eos_token_ids=eos, generator=gen)
+        plain_tokens.append(res.tokens)
+        plain_n += len(res.tokens)
+        plain_s += res.total_s
+    out = {"plain_tokens": plain_tokens, "plain_tokens_per_s": plain_n / plain_s if plain_s else 0.0,
+           "plain_total_s": plain_s, "plain_num_tokens": plain_n}
+    if hf:
+        kwargs = dict(do_sample=temperature > 0, max_new_tokens=max_new_tokens, eos_token_id=eos or None,
+                      pad_token_id=pad_id)
+        if temperature > 0:
+            kwargs.update(temperature=temperature, top_k=0, top_p=1.0)
+        hf_n, hf_s = 0, 0.0
+        for ids in progress(contexts, desc="transformers generate", unit="turn"):
+            x = torch.tensor([ids], device=engine.device)
+            engine._sync()
+            t0 = time.perf_counter()
+            with torch.no_grad():
+                y = model.generate(x, attention_mask=torch.ones_like(x), **kwargs)
+            engine._sync()
+            hf_s += time.perf_counter() - t0
+            hf_n += y.shape[1] - x.shape[1]
+        out.update(hf_tokens_per_s=hf_n / hf_s if hf_s else 0.0, hf_total_s=hf_s, hf_num_tokens=hf_n)
+    return out
+
+
+def warm_up(engine: SpecEngine, model, tokenizer, settings, eos, hf: bool) -> None:
+    import torch
+
+    ids = encode_turn(tokenizer, [{"role": "user", "content": "Say hello."}])
+    for _, setting in settings:
+        engine.generate(ids, 8, eos_token_ids=eos, **setting)
+    engine.plain_generate(ids, 8, eos_token_ids=eos)
+    if hf:
+        with torch.no_grad():
+            x = torch.tensor([ids], device=engine.device)
+            model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=8, do_sample=False)
+
+
+def bench_one(engine, target, bench: str, settings, temperature: float, max_new_tokens: int, limit: int,
+              out_paths: dict, hf: bool = True, extra_settings: dict | None = None) -> dict:
+    """Run every setting on one benchmark; write JSON and PNG per setting. -> {setting: summary}."""
+    from eyas.data.template import stop_token_ids
+
+    tok = target.tokenizer
+    eos = stop_token_ids(tok, getattr(target.model, "generation_config", None))
+    requests = load_bench(bench, limit)
+    warm_up(engine, target.model, tok, settings, eos, hf)
+    baseline, summaries = None, {}
+    for name, setting in settings:
+        depth = setting.get("steps") or setting["tree"][1]
+        records, stats = run_spec(engine, tok, requests, setting, temperature, max_new_tokens, eos,
+                                  desc=f"{bench_name(bench)} {name}")
+        if baseline is None:
+            baseline = run_baselines(engine, target.model, records, temperature, max_new_tokens, eos, hf=hf,
+                                     pad_id=tok.pad_token_id)
+        summary = summarize(stats, depth)
+        summary["speedup_vs_plain"] = summary["tokens_per_s"] / baseline["plain_tokens_per_s"]
+        summary["plain_tokens_per_s"] = baseline["plain_tokens_per_s"]
+        if hf:
+            summary["hf_tokens_per_s"] = baseline["hf_tokens_per_s"]
+            summary["speedup_vs_hf"] = summary["tokens_per_s"] / baseline["hf_tokens_per_s"]
+        if temperature == 0:
+            turns = [t for r in records for t in r["turns"]]
+            summary["plain_mismatches"] = sum(t["tokens"] != p for t, p in zip(turns, baseline["plain_tokens"]))
+        for r in records:
+            for t in r["turns"]:
+                t["num_prompt_tokens"] = len(t.pop("prompt_ids"))
+        result = {
+            "settings": {"bench": bench, "setting": name, **{k: list(v) if isinstance(v, tuple) else v
+                                                          for k, v in setting.items()},
+                         "temperature": temperature, "max_new_tokens": max_new_tokens, "limit": limit,
+                         "target": target.identity, "device": str(engine.device), "dtype": str(target.dtype),
+                         "host": platform.node(), **(extra_settings or {})},
+            "summary": summary,
+            "baseline": {k: v for k, v in baseline.items() if k != "plain_tokens"},
+            "prompts": records,
+        }
+        json_path, png_path = out_paths[(bench, name)]
+        atomic_write_json(json_path, result)
+        plot_acceptance(summary, f"{bench_name(bench)} {name}", png_path)
+        print0(format_summary(f"{bench_name(bench)} {name}", summary))
+        if summary.get("plain_mismatches"):
+            print0(f"  warning: {summary['plain_mismatches']} turns differ from plain greedy decoding "
+                   f"(expected 0 in fp32; low precision can flip near-ties)")
+        summaries[name] = summary
+    return summaries

@@ -1,0 +1,84 @@
+"""Acceptance statistics of a benchmark run, and the per-position acceptance plot.
+
+tau (acceptance length) of a cycle = accepted draft tokens + 1. Pooled tau = all tau / all cycles
+(= tokens per target verification pass); per-request tau = the mean over requests of each request's
+own pooled tau (a request = one prompt with all its turns). Peers mix the two up; we report both.
+Acceptance at position i = share of cycles whose first i draft tokens were all accepted
+(unconditional); `conditional` = the same given the first i-1 were.
+"""
+
+from __future__ import annotations
+
+
+def position_acceptance(accepted: list[int], depth: int) -> tuple[list[float], list[float]]:
+    """-> (unconditional [depth], conditional [depth]) acceptance rates per draft position."""
+    n = max(1, len(accepted))
+    reached = [sum(1 for a in accepted if a >= i) for i in range(depth + 1)]  # reached[0] = all cycles
+    uncond = [reached[i] / n for i in range(1, depth + 1)]
+    cond = [reached[i] / reached[i - 1] if reached[i - 1] else 0.0 for i in range(1, depth + 1)]
+    return uncond, cond
+
+
+def summarize(requests: list[dict], depth: int) -> dict:
+    """requests: [{"accepted": [int per cycle], "num_tokens", "draft_s", "verify_s", "prefill_s", "total_s"}]."""
+    accepted = [a for r in requests for a in r["accepted"]]
+    cycles = len(accepted)
+    per_request = [(sum(r["accepted"]) + len(r["accepted"])) / len(r["accepted"]) for r in requests if r["accepted"]]
+    uncond, cond = position_acceptance(accepted, depth)
+    tokens = sum(r["num_tokens"] for r in requests)
+    total = sum(r["total_s"] for r in requests)
+    return {
+        "num_requests": len(requests),
+        "num_tokens": tokens,
+        "num_cycles": cycles,
+        "tau_pooled": (sum(accepted) + cycles) / cycles if cycles else 0.0,
+        "tau_per_request": sum(per_request) / len(per_request) if per_request else 0.0,
+        "accept_at_position": uncond,
+        "accept_at_position_conditional": cond,
+        "draft_s": sum(r["draft_s"] for r in requests),
+        "verify_s": sum(r["verify_s"] for r in requests),
+        "prefill_s": sum(r["prefill_s"] for r in requests),
+        "total_s": total,
+        "tokens_per_s": tokens / total if total > 0 else 0.0,
+    }
+
+
+def plot_acceptance(summary: dict, title: str, path) -> None:
+    """A bar chart of unconditional and conditional acceptance per draft position."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    uncond, cond = summary["accept_at_position"], summary["accept_at_position_conditional"]
+    xs = list(range(1, len(uncond) + 1))
+    fig, ax = plt.subplots(figsize=(6, 3.5), dpi=110)
+    ax.bar([x - 0.2 for x in xs], uncond, width=0.4, label="accepted (all earlier too)")
+    ax.bar([x + 0.2 for x in xs], cond, width=0.4, label="accepted | earlier accepted")
+    ax.set_xlabel("draft position")
+    ax.set_ylabel("rate")
+    ax.set_ylim(0, 1)
+    ax.set_xticks(xs)
+    ax.set_title(f"{title}: tau {summary['tau_pooled']:.2f} pooled, {summary['tau_per_request']:.2f} per request",
+                 fontsize=9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def format_summary(name: str, s: dict) -> str:
+    pos = " ".join(f"{x:.2f}" for x in s["accept_at_position"])
+    lines = [
+        f"{name}: tau {s['tau_pooled']:.2f} pooled, {s['tau_per_request']:.2f} per request "
+        f"({s['num_tokens']} tokens, {s['num_cycles']} cycles, {s['num_requests']} requests)",
+        f"  acceptance by position: {pos}",
+        f"  {s['tokens_per_s']:.1f} tok/s | draft {s['draft_s']:.1f} s, verify {s['verify_s']:.1f} s, "
+        f"prefill {s['prefill_s']:.1f} s",
+    ]
+    if "speedup_vs_plain" in s:
+        line = f"  speedup {s['speedup_vs_plain']:.2f}x vs plain decoding ({s['plain_tokens_per_s']:.1f} tok/s)"
+        if "speedup_vs_hf" in s:
+            line += f", {s['speedup_vs_hf']:.2f}x vs transformers generate ({s['hf_tokens_per_s']:.1f} tok/s)"
+        lines.append(line)
+    return "\n".join(lines)

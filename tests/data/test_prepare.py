@@ -1,0 +1,145 @@
+"""`eyas prepare` end to end on the tiny target: formats, bad input, --strict, length policy, outputs."""
+
+import json
+import subprocess
+import sys
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import torch
+
+from eyas.cli import main as cli_main
+from eyas.data import load_prepared, load_vocab
+
+GOOD_SHAREGPT = {"id": "g1", "conversations": [{"from": "system", "value": "Be brief."},
+                                               {"from": "human", "value": "Hi"}, {"from": "gpt", "value": "Hello!"},
+                                               {"from": "human", "value": "Bye"}, {"from": "gpt", "value": "Goodbye."}]}
+GOOD_OPENAI = {"id": "g2", "messages": [{"role": "user", "content": "Add 2 and 2."},
+                                        {"role": "assistant", "content": "4"}]}
+GOOD_PR = {"id": "g3", "prompt": "Name a colour.", "response": "Blue."}
+
+# (line text, reason it must be skipped with)
+BAD = [
+    ('{"id": "b1", "messages": [', "malformed_json"),
+    ('{"id": "b2"}', "unknown_format"),
+    ('{"id": "b3", "messages": [{"role": "user"}]}', "missing_field"),
+    ('{"id": "b4", "messages": [{"role": "tool", "content": "x"}, {"role": "assistant", "content": "y"}]}', "unknown_role"),
+    ('{"id": "b5", "messages": [{"role": "user", "content": "  \\n "}, {"role": "assistant", "content": "y"}]}', "empty_content"),
+    ('{"id": "b6", "messages": [{"role": "user", "content": ["a"]}, {"role": "assistant", "content": "y"}]}', "non_string_content"),
+    ('{"id": "b7", "messages": [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}, '
+     '{"role": "assistant", "content": "c"}]}', "two_user_turns"),
+    ('{"id": "b8", "messages": [{"role": "user", "content": "a"}]}', "no_assistant_turn"),
+    ('{"id": "g1", "prompt": "again", "response": "dup"}', "duplicate_id"),
+    ('[1, 2]', "not_an_object"),
+    ('{"id": "b9", "messages": [{"role": "assistant", "content": "a"}, {"role": "user", "content": "b"}]}', "bad_turn_order"),
+]
+
+
+def write_corpus(path):
+    lines = [json.dumps(GOOD_SHAREGPT).encode(), json.dumps(GOOD_OPENAI).encode(), json.dumps(GOOD_PR).encode()]
+    lines += [text.encode() for text, _ in BAD]
+    lines.append(b'{"id": "b10", "prompt": "caf\xe9", "response": "x"}')  # latin-1 byte: invalid UTF-8
+    path.write_bytes(b"\n".join(lines) + b"\n")
+    return 3  # good records
+
+
+def test_bad_input_corpus_is_reported_per_reason(tmp_path, capsys):
+    corpus = tmp_path / "corpus.jsonl"
+    write_corpus(corpus)
+    out = tmp_path / "out"
+    rc = cli_main(["prepare", "--config", "tiny", "--data", str(corpus), "--out", str(out),
+                   "--regenerate", "none", "--max-length", "512"])
+    assert rc == 0
+    summary = json.loads((out / "prepare.json").read_text())
+    expected = {reason: 1 for _, reason in BAD} | {"invalid_utf8": 1}
+    assert summary["dropped"] == expected
+    assert summary["num_kept"] == 3 and summary["num_read"] == 3 + len(expected)
+    for k, (_, reason) in enumerate(BAD):
+        assert summary["first_at"][reason] == f"{corpus}:{k + 4}"
+    assert summary["first_at"]["invalid_utf8"] == f"{corpus}:{len(BAD) + 4}"
+    ds = load_prepared(out)
+    assert ds["sample_id"] == ["g1", "g2", "g3"]
+    assert "skipped:" in capsys.readouterr().out
+
+    # --strict turns the same input into a one-line error, exit 2
+    rc = cli_main(["prepare", "--config", "tiny", "--data", str(corpus), "--out", str(tmp_path / "strict"),
+                   "--regenerate", "none", "--strict"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "--strict" in err and "malformed_json: 1" in err and len(err.strip().splitlines()) == 1
+
+
+def test_unusable_input_never_ends_in_a_traceback(tmp_path):
+    files = []
+    for k, content in enumerate([b"", b"\xff\xfe garbage\n", b'{"not": "a conversation"}\n', b"[not json"]):
+        files += ["--data", str(tmp_path / f"bad{k}.jsonl")]
+        (tmp_path / f"bad{k}.jsonl").write_bytes(content)
+    (tmp_path / "bad.json").write_bytes(b"[not json")
+    proc = subprocess.run([sys.executable, "-m", "eyas", "prepare", "--config", "tiny", *files,
+                           "--data", str(tmp_path / "bad.json"), "--data", str(tmp_path / "missing.parquet"),
+                           "--out", str(tmp_path / "o"), "--regenerate", "none"], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" not in proc.stderr and "no usable conversation" in proc.stderr
+    for reason in ("unreadable_file: 2", "invalid_utf8: 1", "unknown_format: 1", "malformed_json: 1"):
+        assert reason in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_formats_files_and_outputs(tmp_path):
+    rows = [GOOD_SHAREGPT, GOOD_OPENAI]
+    (tmp_path / "a.json").write_text(json.dumps(rows))
+    table = pa.table({"id": ["p1", "p2"], "prompt": ["Say hi.", "Say bye."], "response": ["Hi!", "Bye!"]})
+    pq.write_table(table, tmp_path / "b.parquet")
+    out = tmp_path / "out"
+    rc = cli_main(["prepare", "--config", "tiny", "--data", str(tmp_path / "a.json"), "--data",
+                   str(tmp_path / "b.parquet"), "--out", str(out),  # --data: no regeneration by default
+                   "--draft-vocab", "40", "--set", "data.max_length=512"])
+    assert rc == 0
+    ds = load_prepared(out)
+    assert ds["sample_id"] == ["g1", "g2", "p1", "p2"]
+    assert str(ds.features["input_ids"].feature.dtype) == "int32"
+    assert str(ds.features["loss_mask"].feature.dtype) == "int8"
+    for row in ds:
+        assert len(row["input_ids"]) == len(row["loss_mask"]) and 0 < sum(row["loss_mask"]) < len(row["loss_mask"])
+    vocab = load_vocab(out / "vocab.safetensors")
+    assert vocab["d2t"].shape == (40,) and vocab["t2d"].shape == (320,) and int(vocab["t2d"].sum()) == 40
+    summary = json.loads((out / "prepare.json").read_text())
+    assert summary["num_loss_tokens"] == int(vocab["token_counts"].sum())
+    masked = torch.cat([torch.tensor(r["input_ids"])[torch.tensor(r["loss_mask"]).bool()] for r in ds])
+    assert torch.equal(torch.bincount(masked, minlength=320), vocab["token_counts"])
+    assert summary["vocab"]["coverage"] <= 1.0 and (out / "config.yaml").is_file()
+    assert summary["regeneration"] is None
+
+
+def test_builtin_corpus_needs_regeneration(tmp_path, capsys):
+    rc = cli_main(["prepare", "--config", "tiny", "--out", str(tmp_path / "o"), "--regenerate", "none"])
+    assert rc == 2 and "--regenerate local" in capsys.readouterr().err
+
+
+def test_length_policy_drop_and_truncate(tmp_path):
+    long = {"id": "long", "prompt": "q" * 20, "response": "a" * 300}
+    short = {"id": "short", "prompt": "q", "response": "a"}
+    too_late = {"id": "late", "prompt": "q" * 400, "response": "a"}
+    src = tmp_path / "d.jsonl"
+    src.write_text("\n".join(json.dumps(r) for r in (long, short, too_late)) + "\n")
+    base = ["prepare", "--config", "tiny", "--data", str(src), "--regenerate", "none", "--max-length", "128"]
+    assert cli_main(base + ["--out", str(tmp_path / "drop")]) == 0
+    s = json.loads((tmp_path / "drop" / "prepare.json").read_text())
+    assert s["dropped"] == {"too_long": 2} and s["length_policy"]["num_truncated"] == 0
+    assert cli_main(base + ["--out", str(tmp_path / "cut"), "--on-long", "truncate"]) == 0
+    s = json.loads((tmp_path / "cut" / "prepare.json").read_text())
+    assert s["dropped"] == {"no_assistant_tokens": 1} and s["length_policy"]["num_truncated"] == 1
+    ds = load_prepared(tmp_path / "cut")
+    assert ds["sample_id"] == ["long", "short"] and len(ds[0]["input_ids"]) == 128 and ds[0]["loss_mask"][-1] == 1
+
+
+def test_builtin_corpus_with_local_regeneration(tmp_path):
+    out = tmp_path / "out"
+    rc = cli_main(["prepare", "--config", "tiny", "--out", str(out), "--num-prompts", "12", "--max-length", "2048",
+                   "--set", "data.regen_max_new_tokens=6"])
+    assert rc == 0
+    s = json.loads((out / "prepare.json").read_text())
+    assert s["source"]["kind"] == "builtin-corpus" and s["num_kept"] == 12
+    assert s["regeneration"]["num_responses"] == 12 and s["regeneration"]["mode"] == "local"
+    results = [json.loads(line) for line in (out / s["regeneration"]["results"]).read_text().splitlines()]
+    assert sorted(r["id"] for r in results) == sorted(load_prepared(out)["sample_id"])

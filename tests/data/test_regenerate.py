@@ -1,0 +1,164 @@
+"""Regeneration: batched greedy parity, crash/resume (SIGKILL), and an OpenAI-compatible endpoint."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import torch
+
+from eyas.data.endpoint import regenerate_endpoint
+from eyas.data.regenerate import generate_batch, read_results, regenerate_local
+from eyas.data.template import ChatTemplate, stop_token_ids
+
+PROMPTS = [{"id": f"p{i:02d}", "messages": [{"role": "user", "content": "word " * (i % 7) + f"number {i}"}]}
+           for i in range(40)]
+
+
+def test_batched_left_padded_greedy_equals_plain_generate(tiny_target):
+    model, tok = tiny_target.model, tiny_target.tokenizer
+    ct = ChatTemplate(tok)
+    prompts = [ct.prompt_ids(p["messages"]) for p in PROMPTS[:5]]
+    assert len({len(p) for p in prompts}) > 1  # the batch really is padded
+    batched = generate_batch(model, prompts, max_new_tokens=12, stop_ids=ct.stop_ids, pad_id=tok.pad_token_id)
+    for p, res in zip(prompts, batched):
+        ref = model.generate(torch.tensor([p]), max_new_tokens=12, do_sample=False, eos_token_id=ct.stop_ids,
+                             pad_token_id=tok.pad_token_id)[0, len(p):].tolist()
+        ref = ref[: ref.index(ct.stop_ids[0])] if ct.stop_ids[0] in ref else ref
+        assert res["tokens"] == ref
+
+
+def test_stop_token_ends_a_row_early(tiny_target):
+    """With the stop set to whatever the model says first, every row stops at step one."""
+    model, tok = tiny_target.model, tiny_target.tokenizer
+    ct = ChatTemplate(tok)
+    prompts = [ct.prompt_ids(p["messages"]) for p in PROMPTS[:3]]
+    first = generate_batch(model, prompts, max_new_tokens=1, stop_ids=[999999], pad_id=tok.pad_token_id)
+    stops = sorted({r["tokens"][0] for r in first})
+    out = generate_batch(model, prompts, max_new_tokens=8, stop_ids=stops, pad_id=tok.pad_token_id)
+    assert all(r == {"tokens": [], "finish": "stop"} for r in out)
+
+
+CHILD = """
+import sys, time
+from eyas.target import load_target
+from eyas.data.regenerate import regenerate_local
+from eyas.data.template import ChatTemplate
+sys.path.insert(0, {here!r})
+from test_regenerate import PROMPTS
+t = load_target("tiny", device="cpu", dtype="fp32")
+regenerate_local(t, PROMPTS, {path!r}, template=ChatTemplate(t.tokenizer), max_new_tokens=16, batch_size=2,
+                 on_batch=lambda n: time.sleep(0.3))
+"""
+
+
+def test_resume_after_sigkill_gives_each_id_once(tmp_path, tiny_target):
+    path = tmp_path / "regen.jsonl"
+    code = CHILD.format(here=os.path.dirname(__file__), path=str(path))
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.time() + 60
+        while time.time() < deadline and (not path.exists() or path.read_text().count("\n") < 4):
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGKILL)
+    finally:
+        proc.wait(timeout=30)
+    done_before = len(read_results(path))
+    assert 4 <= done_before < len(PROMPTS), "the child was killed mid-way"
+    with open(path, "ab") as f:
+        f.write(b'{"id": "p00", "respo')  # a line torn by the crash
+    threads = torch.get_num_threads()
+    results = regenerate_local(tiny_target, PROMPTS, path, template=ChatTemplate(tiny_target.tokenizer),
+                               max_new_tokens=16, batch_size=8, threads=1)
+    assert torch.get_num_threads() == threads  # data.regen_threads applies to regeneration only
+    ids = [json.loads(line)["id"] for line in path.read_text().splitlines()]
+    assert sorted(ids) == sorted(p["id"] for p in PROMPTS)  # each id exactly once
+    assert set(results) == {p["id"] for p in PROMPTS}
+
+
+class _Server:
+    """An OpenAI-compatible server on 127.0.0.1 that answers with the real target (greedy)."""
+
+    def __init__(self, target, fail_first: int = 1):
+        self.target, self.template = target, ChatTemplate(target.tokenizer, stop_token_ids(
+            target.tokenizer, target.model.generation_config))
+        self.lock, self.posts, self.fail_left = threading.Lock(), 0, fail_first
+        server = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *a):
+                pass
+
+            def _send(self, code, obj):
+                data = json.dumps(obj).encode()
+                self.send_response(code)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def do_GET(self):
+                self._send(200, {"object": "list", "data": [{"id": "smollm2", "object": "model"}]})
+
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                with server.lock:
+                    server.posts += 1
+                    if server.fail_left > 0:  # a transient overload the client must retry through
+                        server.fail_left -= 1
+                        self._send(503, {"error": "busy"})
+                        return
+                    text, n, finish = server.complete(body["messages"], body["max_tokens"])
+                self._send(200, {"choices": [{"index": 0, "message": {"role": "assistant", "content": text},
+                                              "finish_reason": finish}],
+                                 "usage": {"prompt_tokens": 0, "completion_tokens": n}})
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def complete(self, messages, max_tokens):
+        ids = self.template.prompt_ids(messages)
+        res = generate_batch(self.target.model, [ids], max_new_tokens=max_tokens, stop_ids=self.template.stop_ids,
+                             pad_id=self.target.tokenizer.pad_token_id)[0]
+        return self.target.tokenizer.decode(res["tokens"], skip_special_tokens=True), len(res["tokens"]), res["finish"]
+
+    def close(self):
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+def test_endpoint_regeneration_against_a_local_smollm2_server(tmp_path, smollm2):
+    server = _Server(smollm2, fail_first=1)
+    prompts = [{"id": "a", "messages": [{"role": "user", "content": "What is the capital of France?"}]},
+               {"id": "b", "messages": [{"role": "user", "content": "Name three primary colours."}]},
+               {"id": "c", "messages": [{"role": "system", "content": "Answer in one word."},
+                                        {"role": "user", "content": "Is water wet?"}]}]
+    try:
+        path = tmp_path / "regen.jsonl"
+        results = regenerate_endpoint(server.url + "/v1", prompts, path, max_new_tokens=8, concurrency=2,
+                                      retries=2, backoff_s=0.05)
+        assert server.posts == len(prompts) + 1  # one 503, retried
+        for p in prompts:
+            expected, n, _ = server.complete(p["messages"], 8)
+            assert results[p["id"]]["response"] == expected and results[p["id"]]["num_tokens"] == n
+        assert "Paris" in results["a"]["response"]
+        # a rerun asks nothing: every id is already in the file
+        before = server.posts
+        regenerate_endpoint(server.url, prompts, path, max_new_tokens=8)
+        assert server.posts == before and len(path.read_text().splitlines()) == len(prompts)
+    finally:
+        server.close()
+
+
+def test_endpoint_unreachable_is_a_one_line_user_error(tmp_path):
+    import pytest
+
+    from eyas.common import EyasError
+
+    with pytest.raises(EyasError, match="cannot reach"):
+        regenerate_endpoint("http://127.0.0.1:9", PROMPTS[:1], tmp_path / "r.jsonl", max_new_tokens=4)
