@@ -1,8 +1,9 @@
 """`eyas` command line: a thin dispatcher to one module per subcommand (eyas/commands/*.py).
 
 Each command module defines `HELP` (one line), `add_arguments(parser)` and `main(args) -> int`.
-Modules are imported only for the subcommand that runs, so `eyas --help` stays fast. A user
-error (EyasError, ConfigError, ValueError raised for bad input) prints one line and exits 2.
+A module may also define `EPILOG`, shown after its options in `eyas NAME --help`. Modules are
+imported only for the subcommand that runs, so `eyas --help` stays fast. A user error (EyasError
+or ConfigError) prints one line and exits 2; any other exception is a bug and keeps its traceback.
 """
 
 from __future__ import annotations
@@ -56,7 +57,9 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     for name in COMMANDS:
         mod = _load(name) if name == only else None
         help_ = SUMMARIES[name]
-        p = sub.add_parser(name, help=help_, description=help_)
+        epilog = getattr(mod, "EPILOG", None) if mod is not None else None
+        p = sub.add_parser(name, help=help_, description=help_, epilog=epilog,
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
         if mod is not None:
             mod.add_arguments(p)
     return parser

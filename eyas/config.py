@@ -9,6 +9,7 @@ field types; errors are one line that names the key and lists the valid ones.
 from __future__ import annotations
 
 import dataclasses
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -25,6 +26,19 @@ def _one_of(name: str, value: Any, allowed: tuple) -> None:
         raise ConfigError(f"{name}={value!r} is not valid; choose one of: {', '.join(map(str, allowed))}")
 
 
+def _at_least(name: str, value: float, minimum: float, note: str = "") -> None:
+    if value < minimum:
+        raise ConfigError(f"{name}={value!r} must be >= {minimum}{note}")
+
+
+def _in_range(name: str, value: float, low: float, high: float) -> None:
+    if not low <= value <= high:
+        raise ConfigError(f"{name}={value!r} must lie in [{low}, {high}]")
+
+
+_DEVICE = re.compile(r"auto|cpu|mps|cuda(:\d+)?")
+
+
 @dataclass
 class TargetConfig:
     # a local HF directory, a hub id, a .gguf file, "smollm2" (the embedded default) or
@@ -37,7 +51,12 @@ class TargetConfig:
     aux_layers: list[int] | None = None
 
     def __post_init__(self):
+        if not self.spec.strip():
+            raise ConfigError("target.spec is empty; give a model directory, a hub id, a .gguf file, smollm2 or tiny")
         _one_of("target.dtype", self.dtype, ("auto", "fp32", "bf16", "fp16"))
+        if not _DEVICE.fullmatch(self.device):
+            raise ConfigError(f"target.device={self.device!r} is not valid; "
+                              f"choose one of: auto, cpu, cuda, cuda:N, mps")
         if self.aux_layers is not None:
             ids = list(self.aux_layers)
             if not ids:
@@ -61,24 +80,38 @@ class DataConfig:
     regen_max_new_tokens: int = 256
     regen_temperature: float = 0.0
     regen_batch_size: int = 16
-    regen_concurrency: int = 8
+    regen_concurrency: int = 8  # requests in flight to an OpenAI-compatible server
+    regen_timeout_s: float = 120.0  # per request to a server
+    regen_retries: int = 3  # per request, on connection errors, timeouts, 429 and 5xx
     # torch threads for local regeneration; 0 = torch's default. On cores shared with other
     # processes one thread was 5-10x faster than two (docs/perf/data.md)
     regen_threads: int = 0
+    # extra end-of-turn tokens, besides the tokenizer's eos and the generation config's eos ids:
+    # they end a regenerated response and close the assistant's loss-mask span
+    stop_tokens: list[str] = field(default_factory=list)
     draft_vocab: int = 32000
     seed: int = 0
 
     def __post_init__(self):
         _one_of("data.format", self.format, ("auto", "sharegpt", "openai", "prompt-response"))
         _one_of("data.on_long", self.on_long, ("drop", "truncate"))
-        if self.max_length < 8:
-            raise ConfigError(f"data.max_length={self.max_length} is too small (minimum 8)")
-        if self.draft_vocab < 1:
-            raise ConfigError(f"data.draft_vocab={self.draft_vocab} must be >= 1")
-        if self.num_prompts < 1:
-            raise ConfigError(f"data.num_prompts={self.num_prompts} must be >= 1")
-        if self.regen_threads < 0:
-            raise ConfigError(f"data.regen_threads={self.regen_threads} must be >= 0 (0 = torch's default)")
+        _at_least("data.max_length", self.max_length, 8)
+        _at_least("data.draft_vocab", self.draft_vocab, 1)
+        _at_least("data.num_prompts", self.num_prompts, 1)
+        if self.regenerate is not None and self.regenerate != "local" \
+                and not self.regenerate.startswith(("http://", "https://")):
+            raise ConfigError(f"data.regenerate={self.regenerate!r} is not valid; choose one of: none, local, "
+                              f"or a server URL such as http://127.0.0.1:8000/v1")
+        _at_least("data.regen_max_new_tokens", self.regen_max_new_tokens, 1)
+        _at_least("data.regen_temperature", self.regen_temperature, 0.0, " (0 = greedy)")
+        _at_least("data.regen_batch_size", self.regen_batch_size, 1)
+        _at_least("data.regen_concurrency", self.regen_concurrency, 1)
+        if self.regen_timeout_s <= 0:
+            raise ConfigError(f"data.regen_timeout_s={self.regen_timeout_s!r} must be > 0")
+        _at_least("data.regen_retries", self.regen_retries, 0)
+        _at_least("data.regen_threads", self.regen_threads, 0, " (0 = torch's default)")
+        if any(not t for t in self.stop_tokens):
+            raise ConfigError(f"data.stop_tokens={self.stop_tokens!r} holds an empty token")
 
 
 @dataclass
@@ -93,8 +126,10 @@ class CaptureConfig:
     def __post_init__(self):
         _one_of("capture.mode", self.mode, ("store", "online"))
         _one_of("capture.dtype", self.dtype, ("auto", "fp32", "bf16", "fp8"))
-        if self.token_budget < 0 or self.shard_tokens < 1:
-            raise ConfigError("capture.token_budget must be >= 0 and capture.shard_tokens >= 1")
+        _at_least("capture.token_budget", self.token_budget, 0, " (0 = derived from free memory)")
+        _at_least("capture.shard_tokens", self.shard_tokens, 1)
+        _at_least("capture.ram_budget_gb", self.ram_budget_gb, 0.0, " (0 = a quarter of free RAM)")
+        _at_least("capture.inject_oom_tokens", self.inject_oom_tokens, 0, " (0 = off)")
 
 
 @dataclass
@@ -117,18 +152,28 @@ class TrainConfig:
     log_every: int = 10
     save_every: int = 200
     keep_last: int = 2
+    attention: str = "dense"  # dense | flex (FlexAttention, CUDA) | reference: the TTT attention kernel
+    compile: bool = False  # torch.compile the unrolled draft step (CUDA only; ignored on CPU)
 
     def __post_init__(self):
+        _one_of("train.attention", self.attention, ("dense", "flex", "reference"))
         _one_of("train.features", self.features, ("fused", "last"))
         _one_of("train.dtype", self.dtype, ("auto", "fp32", "bf16"))
-        if self.ttt < 1:
-            raise ConfigError(f"train.ttt={self.ttt} must be >= 1")
+        _at_least("train.ttt", self.ttt, 1)
         if self.lr <= 0:
-            raise ConfigError(f"train.lr={self.lr} must be > 0")
-        if self.steps < 0 or self.epochs <= 0:
-            raise ConfigError("train.steps must be >= 0 and train.epochs > 0")
-        if self.batch_tokens < 1 or self.grad_accum < 1 or self.keep_last < 1:
-            raise ConfigError("train.batch_tokens, train.grad_accum and train.keep_last must be >= 1")
+            raise ConfigError(f"train.lr={self.lr!r} must be > 0")
+        _at_least("train.steps", self.steps, 0, " (0 = derived from train.epochs)")
+        if self.epochs <= 0:
+            raise ConfigError(f"train.epochs={self.epochs!r} must be > 0")
+        _at_least("train.warmup_steps", self.warmup_steps, 0)
+        _in_range("train.min_lr_ratio", self.min_lr_ratio, 0.0, 1.0)
+        for key in ("batch_tokens", "grad_accum", "log_every", "save_every", "keep_last"):
+            _at_least(f"train.{key}", getattr(self, key), 1)
+        if self.grad_clip <= 0:
+            raise ConfigError(f"train.grad_clip={self.grad_clip!r} must be > 0")
+        _at_least("train.weight_decay", self.weight_decay, 0.0)
+        if not 0 < self.loss_decay <= 1:
+            raise ConfigError(f"train.loss_decay={self.loss_decay!r} must lie in (0, 1]")
 
 
 @dataclass
@@ -143,14 +188,18 @@ class EvalConfig:
     threads: int = 0  # torch CPU threads for eval; 0 = torch's default (1 is often faster on shared cores)
 
     def __post_init__(self):
-        if any(k < 1 for k in self.steps):
-            raise ConfigError(f"eval.steps={self.steps}: chain lengths must be >= 1")
+        if not self.benches:
+            raise ConfigError("eval.benches is empty; give mt-bench, humaneval or a JSONL file of prompts")
+        if not self.steps or any(k < 1 for k in self.steps):
+            raise ConfigError(f"eval.steps={self.steps}: give at least one chain length, each >= 1")
         if self.tree is not None:
             parts = self.tree.split(",")
             if len(parts) != 3 or not all(p.strip().isdigit() and int(p) > 0 for p in parts):
                 raise ConfigError(f"eval.tree={self.tree!r} must be TOPK,DEPTH,TOTAL with positive integers, e.g. 4,5,16")
-        if self.temperature < 0 or self.max_new_tokens < 1 or self.limit < 0:
-            raise ConfigError("eval.temperature >= 0, eval.max_new_tokens >= 1 and eval.limit >= 0 are required")
+        _at_least("eval.temperature", self.temperature, 0.0, " (0 = greedy)")
+        _at_least("eval.max_new_tokens", self.max_new_tokens, 1)
+        _at_least("eval.limit", self.limit, 0, " (0 = all prompts)")
+        _at_least("eval.threads", self.threads, 0, " (0 = torch's default)")
 
 
 @dataclass
@@ -160,6 +209,8 @@ class ExportConfig:
     embed_tokens: bool = False  # also write the target's embedding (engines take it from the target)
 
     def __post_init__(self):
+        if not self.formats:
+            raise ConfigError("export.formats is empty; choose from: sglang, vllm, speculators")
         for f in self.formats:
             _one_of("export.formats", f, ("sglang", "vllm", "speculators"))
         _one_of("export.dtype", self.dtype, ("bf16", "fp16", "fp32"))
@@ -193,10 +244,11 @@ def tiny() -> RunConfig:
     return RunConfig(
         name="tiny",
         target=TargetConfig(spec="tiny"),
-        data=DataConfig(num_prompts=48, max_length=128, regenerate="local", regen_max_new_tokens=24,
+        # the tiny tokenizer is byte-level: a corpus prompt with the chat template is 200-700 tokens
+        data=DataConfig(num_prompts=48, max_length=768, regenerate="local", regen_max_new_tokens=24,
                         regen_batch_size=16, draft_vocab=256),
-        capture=CaptureConfig(dtype="fp32", token_budget=2048, shard_tokens=1024),
-        train=TrainConfig(steps=12, ttt=3, lr=1e-3, warmup_steps=2, batch_tokens=1024, log_every=4,
+        capture=CaptureConfig(dtype="fp32", token_budget=4096, shard_tokens=4096),
+        train=TrainConfig(steps=12, ttt=3, lr=1e-3, warmup_steps=2, batch_tokens=2048, log_every=4,
                           save_every=6),
         eval=EvalConfig(benches=["mt-bench"], steps=[3], tree="2,3,6", max_new_tokens=16, limit=2),
     )
@@ -302,6 +354,8 @@ def apply_overrides(cfg: RunConfig, updates: dict[str, dict[str, Any]]) -> RunCo
     name = cfg.name
     for section, values in updates.items():
         if section == "name":
+            if not isinstance(values, (str, int, float)) or isinstance(values, bool):
+                raise ConfigError(f"name: expected a string, got {values!r} (name has no keys: write name=VALUE)")
             name = str(values)
             continue
         if section not in _SECTION_CLASSES:
@@ -318,9 +372,12 @@ def apply_overrides(cfg: RunConfig, updates: dict[str, dict[str, Any]]) -> RunCo
 
 
 def parse_set(items: list[str]) -> dict[str, dict[str, Any]]:
-    """Turn ["train.lr=3e-4", "data.data=a.jsonl,b.jsonl"] into {section: {key: "value"}}."""
+    """Turn ["train.lr=3e-4", "data.data=a.jsonl,b.jsonl", "name=x"] into {section: {key: "value"}, "name": "x"}."""
     updates: dict[str, dict[str, Any]] = {}
     for item in items:
+        if item.split("=", 1)[0].strip() == "name" and "=" in item:
+            updates["name"] = item.split("=", 1)[1]  # type: ignore[assignment]
+            continue
         if "=" not in item or "." not in item.split("=", 1)[0]:
             raise ConfigError(f"--set {item!r}: expected section.key=value, e.g. train.lr=3e-4")
         lhs, value = item.split("=", 1)

@@ -506,6 +506,8 @@ def _last_metrics(run: Path) -> dict:
 def eval_results(run: Path) -> list[dict]:
     rows = []
     for path in sorted((run / "eval").glob("*.json")):
+        if path.name == "summary.json":  # the stage's own summary, not a benchmark result
+            continue
         doc = _read(path) or {}
         s = doc.get("summary", doc) if isinstance(doc, dict) else {}
         rows.append({"name": path.stem, "tau": _first(s, "tau_pooled", "tau"),

@@ -19,32 +19,39 @@ def layer_of(module: str) -> str:
     return parts[1]
 
 
-def eyas_modules():
-    for path in sorted(ROOT.rglob("*.py")):
-        rel = path.relative_to(ROOT.parent).with_suffix("")
+def eyas_modules(root: Path):
+    for path in sorted(root.rglob("*.py")):
+        rel = path.relative_to(root.parent).with_suffix("")
         parts = list(rel.parts)
         if parts[-1] == "__init__":
             parts = parts[:-1]
         yield ".".join(parts), path
 
 
-def imports_of(path: Path):
+def imports_of(path: Path, module: str):
+    """(absolute module name, line) of every import, relative ones (`from ..train import x`) resolved."""
+    package = module.split(".") if path.name == "__init__.py" else module.split(".")[:-1]
     tree = ast.parse(path.read_text(), filename=str(path))
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             for alias in node.names:
                 yield alias.name, node.lineno
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            yield node.module, node.lineno
+        elif isinstance(node, ast.ImportFrom):
+            base = package[: len(package) - node.level + 1] if node.level else []
+            if node.module:
+                yield ".".join([*base, node.module]), node.lineno
+            else:  # `from .. import train`: each name may be a module
+                for alias in node.names:
+                    yield ".".join([*base, alias.name]), node.lineno
 
 
-def violations():
+def violations(root: Path = ROOT):
     found = []
-    for module, path in eyas_modules():
+    for module, path in eyas_modules(root):
         src = layer_of(module)
-        for imported, line in imports_of(path):
+        for imported, line in imports_of(path, module):
             top = imported.split(".")[0]
-            where = f"{path.relative_to(ROOT.parent)}:{line} imports {imported}"
+            where = f"{path.relative_to(root.parent)}:{line} imports {imported}"
             if top in THIRD_PARTY_MODEL_CODE and src in ("gpu", "pipeline"):
                 found.append(f"{where}: gpu/pipeline must not import model code")
             if top != "eyas":
@@ -69,10 +76,20 @@ def test_layering_is_respected():
     assert violations() == []
 
 
-def test_checker_catches_a_violation(tmp_path, monkeypatch):
-    bad = ROOT / "draft" / "_layering_probe.py"
-    bad.write_text("from eyas.train import loop\n")
-    try:
-        assert any("_layering_probe" in v for v in violations())
-    finally:
-        bad.unlink()
+def test_checker_catches_a_violation(tmp_path):
+    """On a copy of the package (the real one is never written to), absolute and relative imports alike."""
+    import shutil
+
+    copy = tmp_path / "eyas"
+    shutil.copytree(ROOT, copy, ignore=shutil.ignore_patterns("__pycache__"))
+    assert violations(copy) == []
+    (copy / "draft" / "_probe_abs.py").write_text("from eyas.train import loop\n")
+    (copy / "draft" / "_probe_rel.py").write_text("from ..spec import engine\nfrom .. import store\n")
+    (copy / "gpu" / "_probe.py").write_text("import torch\n")
+    (copy / "train" / "_probe.py").write_text("from ..target import load\n")
+    found = violations(copy)
+    assert any("_probe_abs.py:1 imports eyas.train: draft may not import train" in v for v in found), found
+    assert any("_probe_rel.py:1 imports eyas.spec: draft may not import spec" in v for v in found), found
+    assert any("_probe_rel.py:2 imports eyas.store: draft may import only config" in v for v in found), found
+    assert any("train/_probe.py:1 imports eyas.target: train never imports target" in v for v in found), found
+    assert any("gpu/_probe.py:1 imports torch: gpu/pipeline must not import model code" in v for v in found), found

@@ -33,3 +33,24 @@ def test_missing_stage_says_not_implemented(monkeypatch, capsys):
     monkeypatch.setitem(COMMANDS, "gpus", ("eyas.commands._does_not_exist", "issue 99 (Later)"))
     assert main(["gpus"]) == 3
     assert "not implemented yet; it arrives with issue 99 (Later)" in capsys.readouterr().err
+
+
+def test_bad_aux_layers_on_a_command_line_are_one_line_errors(tmp_path, capsys):
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"id": "a", "prompt": "hi", "response": "hello"}\n')
+    assert main(["prepare", "--config", "tiny", "--data", str(data), "--out", str(tmp_path / "prep")]) == 0
+    capsys.readouterr()
+    # the tiny target has 4 layers: residual-stream ids are 1..3
+    rc = main(["capture", "--config", "tiny", "--layers", "1,2,9", "--data", str(tmp_path / "prep"),
+               "--out", str(tmp_path / "store")])
+    err = capsys.readouterr().err
+    assert rc == 2, err
+    assert err.startswith("eyas capture: error: target.aux_layers=[1, 2, 9]") and "1..3" in err
+    assert len(err.strip().splitlines()) == 1
+
+
+def test_subcommand_help_describes_outputs():
+    out = run("prepare", "--help")
+    assert out.returncode == 0
+    for name in ("dataset/", "vocab.safetensors", "prepare.json", "summary.json", "exit status"):
+        assert name in out.stdout, name

@@ -30,6 +30,25 @@ def test_overrides_are_type_checked():
     ("capture.dtype=int4", ["capture.dtype", "fp8"]),
     ("target.aux_layers=3,2", ["distinct and ascending"]),
     ("train.lr", ["section.key=value"]),
+    ("data.regenerate=vllm", ["data.regenerate='vllm'", "none, local", "http://"]),
+    ("data.regen_batch_size=0", ["data.regen_batch_size=0", ">= 1"]),
+    ("data.regen_max_new_tokens=0", ["data.regen_max_new_tokens=0", ">= 1"]),
+    ("data.regen_temperature=-0.5", ["data.regen_temperature=-0.5", ">= 0"]),
+    ("data.regen_timeout_s=0", ["data.regen_timeout_s=0", "> 0"]),
+    ("target.device=gpu", ["target.device='gpu'", "auto, cpu, cuda, cuda:N"]),
+    ("target.spec=", ["target.spec is empty", "smollm2"]),
+    ("train.log_every=0", ["train.log_every=0", ">= 1"]),
+    ("train.save_every=0", ["train.save_every=0", ">= 1"]),
+    ("train.loss_decay=0", ["train.loss_decay=0.0", "(0, 1]"]),
+    ("train.min_lr_ratio=1.5", ["train.min_lr_ratio=1.5", "[0.0, 1.0]"]),
+    ("train.grad_clip=0", ["train.grad_clip=0.0", "> 0"]),
+    ("train.warmup_steps=-1", ["train.warmup_steps=-1", ">= 0"]),
+    ("capture.ram_budget_gb=-2", ["capture.ram_budget_gb=-2.0", ">= 0"]),
+    ("eval.benches=", ["eval.benches is empty", "mt-bench"]),
+    ("eval.steps=", ["eval.steps=[]", ">= 1"]),
+    ("eval.max_new_tokens=0", ["eval.max_new_tokens=0", ">= 1"]),
+    ("export.formats=", ["export.formats is empty", "sglang, vllm, speculators"]),
+    ("name.x=1", ["name: expected a string", "name=VALUE"]),
 ])
 def test_bad_overrides_give_one_line_errors(item, words):
     with pytest.raises(ConfigError) as e:
@@ -38,6 +57,15 @@ def test_bad_overrides_give_one_line_errors(item, words):
     assert "\n" not in msg
     for w in words:
         assert w in msg, msg
+
+
+def test_values_at_their_limits_are_accepted():
+    cfg = load_config("tiny", ["name=mine", "data.regenerate=http://127.0.0.1:8000/v1", "target.device=cuda:3",
+                               "train.loss_decay=1", "train.min_lr_ratio=0", "train.warmup_steps=0",
+                               "data.regen_retries=0", "data.stop_tokens=<|endoftext|>", "eval.temperature=0"])
+    assert cfg.name == "mine" and cfg.data.regenerate == "http://127.0.0.1:8000/v1"
+    assert cfg.target.device == "cuda:3" and cfg.data.stop_tokens == ["<|endoftext|>"]
+    assert load_config("tiny", ["data.regenerate=none"]).data.regenerate is None
 
 
 def test_yaml_extends_a_preset(tmp_path):

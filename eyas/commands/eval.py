@@ -2,11 +2,24 @@
 
 `evaluate(cfg, draft_path, out_dir, target=None)` is the same work as a Python call for the pipeline.
 The draft is loaded here (the top layer) because `eyas.export.load_draft` sits above `eyas.spec`.
+
+Besides one RESULT.json (+ .png) per benchmark and setting, the command keeps `summary.json` in the
+results' directory: the stage's own summary that the pipeline reads (`wall_s`, `tokens_per_s`) and the
+headline figures of every result there, merged across runs (the pipeline runs one benchmark x setting
+per process), written atomically. An entry's `wall_s` counts from the command's start or its previous
+entry, so the first one also carries loading the target and the warm-up, and the entries sum to the
+commands' wall time.
 """
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
+
+SUMMARY = "summary.json"
+# the figures of a benchmark summary that summary.json repeats per result
+HEADLINE = ("tau_pooled", "tau_per_request", "speedup_vs_plain", "speedup_vs_hf", "tokens_per_s", "plain_tokens_per_s",
+            "hf_tokens_per_s", "plain_mismatches", "num_requests", "num_tokens", "num_cycles", "total_s")
 
 HELP = "speculative decoding with a draft: acceptance length and speedup"
 
@@ -38,9 +51,8 @@ def _config(args):
         sets.append(f"target.spec={args.target}")
     if args.bench:
         sets.append(f"eval.benches={','.join(args.bench)}")
-    if args.steps is not None or args.tree is not None:
-        sets.append(f"eval.steps={args.steps if args.steps is not None else ''}")
-        sets.append(f"eval.tree={args.tree if args.tree else 'none'}")
+    if args.tree is not None:
+        sets.append(f"eval.tree={args.tree}")  # validated by the config; which settings run is _settings' call
     for flag, key in (("temperature", "temperature"), ("max_new_tokens", "max_new_tokens"), ("limit", "limit")):
         if getattr(args, flag) is not None:
             sets.append(f"eval.{key}={getattr(args, flag)}")
@@ -49,6 +61,20 @@ def _config(args):
     if args.threads is not None:
         sets.append(f"eval.threads={args.threads}")
     return load_config(args.config, sets)
+
+
+def _settings(args, cfg) -> list[tuple[str, dict]]:
+    """--steps alone runs that chain only, --tree alone that tree only (the pipeline runs each setting as
+    its own process), both run both, neither runs the config's eval.steps and eval.tree."""
+    from eyas.spec.bench import settings_of
+
+    if args.steps is None and args.tree is None:
+        return settings_of(cfg.eval.steps, cfg.eval.tree)
+    if args.steps is not None and args.steps < 1:
+        from eyas.common import EyasError
+
+        raise EyasError(f"--steps {args.steps}: a chain needs at least one draft token")
+    return settings_of([args.steps] if args.steps is not None else [], cfg.eval.tree if args.tree else None)
 
 
 def _set_threads(n: int) -> None:
@@ -60,17 +86,19 @@ def _set_threads(n: int) -> None:
 
 def main(args) -> int:
     from eyas.common import EyasError, print0
-    from eyas.spec.bench import bench_name, bench_one, settings_of
+    from eyas.spec.bench import bench_name, bench_one
     from eyas.target import load_target
 
+    started = time.perf_counter()
     cfg = _config(args)
     _set_threads(cfg.eval.threads)
-    settings = settings_of(cfg.eval.steps, cfg.eval.tree)
+    settings = _settings(args, cfg)
     if not settings:
         raise EyasError("nothing to evaluate: give --steps K and/or --tree TOPK,DEPTH,TOTAL")
     out = Path(args.out)
-    if out.suffix != ".json":
-        raise EyasError(f"--out {out}: expected a path ending in .json")
+    if out.suffix != ".json" or out.name == SUMMARY:
+        raise EyasError(f"--out {out}: expected a path ending in .json (other than {SUMMARY}, which eval keeps "
+                        f"beside the results)")
     many = len(settings) * len(cfg.eval.benches) > 1
     target = load_target(cfg.target.spec, device=cfg.target.device, dtype=cfg.target.dtype)
     engine, info = build_engine(target, args.draft, cfg.target.aux_layers)
@@ -86,18 +114,64 @@ def main(args) -> int:
                 first = out.with_name(f"{out.stem}-{bench_name(bench)}-{name}.json" if many else out.name)
             paths[(bench, name)] = (first, first.with_suffix(".png"))
             first.parent.mkdir(parents=True, exist_ok=True)
-        bench_one(engine, target, bench, settings, cfg.eval.temperature, cfg.eval.max_new_tokens, cfg.eval.limit,
-                  paths, hf=cfg.eval.hf_baseline, extra_settings={"draft": str(args.draft), "aux_layers": info["aux"]})
-        print0(f"results: {', '.join(str(p[0]) for p in paths.values())}")
+        summaries = bench_one(engine, target, bench, settings, cfg.eval.temperature, cfg.eval.max_new_tokens,
+                              cfg.eval.limit, paths, hf=cfg.eval.hf_baseline,
+                              extra_settings={"draft": str(args.draft), "aux_layers": info["aux"]})
+        started = update_summary(bench, summaries, paths, cfg, str(args.draft), started)
+        print0(f"results: {', '.join(str(p[0]) for p in paths.values())}; summary {next(iter(paths.values()))[0].parent / SUMMARY}")
     return 0
+
+
+def update_summary(bench: str, summaries: dict, paths: dict, cfg, draft: str, since: float) -> float:
+    """Merge one benchmark's results into summary.json beside them (atomically); -> the time now.
+
+    Each result's entry is keyed by its file name (stem); the time since `since` is spread so that the
+    first entry carries what came before its own work (loading, warm-up, earlier benchmarks' writing).
+    """
+    from eyas.common import atomic_write_json, read_json
+
+    now = time.perf_counter()
+    own = sum(s.get("wall_s", 0.0) for s in summaries.values())
+    extra = max(0.0, (now - since) - own)
+    by_dir: dict[Path, dict] = {}
+    for i, (name, s) in enumerate(summaries.items()):
+        json_path = paths[(bench, name)][0]
+        entry = {"bench": bench, "setting": name, "file": json_path.name,
+                 **{k: s[k] for k in HEADLINE if k in s},
+                 "temperature": cfg.eval.temperature, "max_new_tokens": cfg.eval.max_new_tokens,
+                 "limit": cfg.eval.limit, "draft": draft, "finished_at": time.time(),
+                 "wall_s": round(s.get("wall_s", 0.0) + (extra if i == 0 else 0.0), 3)}
+        by_dir.setdefault(json_path.parent, {})[json_path.stem] = entry
+    for directory, entries in by_dir.items():
+        path = directory / SUMMARY
+        try:
+            doc = read_json(path)
+            results = doc.get("results") if isinstance(doc, dict) else None
+        except (OSError, ValueError):
+            results = None
+        results = dict(results) if isinstance(results, dict) else {}
+        results.update(entries)
+        good = [r for r in results.values() if isinstance(r, dict)]
+        tokens = sum(r.get("num_tokens", 0) for r in good)
+        decode_s = sum(r.get("total_s", 0.0) for r in good)
+        atomic_write_json(path, {
+            "schema_version": 1,
+            "stage": "eval",
+            "wall_s": round(sum(r.get("wall_s", 0.0) for r in good), 3),
+            "tokens_per_s": tokens / decode_s if decode_s > 0 else 0.0,  # speculative decoding, all results
+            "num_results": len(results),
+            "results": dict(sorted(results.items())),
+        })
+    return now
 
 
 def evaluate(cfg, draft_path, out_dir, target=None, hf: bool | None = None) -> dict:
     """Run every benchmark x setting of `cfg.eval` with the draft at `draft_path` (a run, step or export
-    dir); write `out_dir/<bench>-<setting>.json|.png`. -> {bench: {setting: summary}}."""
+    dir); write `out_dir/<bench>-<setting>.json|.png` and `out_dir/summary.json`. -> {bench: {setting: summary}}."""
     from eyas.spec.bench import bench_name, bench_one, settings_of
     from eyas.target import load_target
 
+    started = time.perf_counter()
     _set_threads(cfg.eval.threads)
     if target is None:
         target = load_target(cfg.target.spec, device=cfg.target.device, dtype=cfg.target.dtype)
@@ -117,6 +191,7 @@ def evaluate(cfg, draft_path, out_dir, target=None, hf: bool | None = None) -> d
         results[bench_name(bench)] = bench_one(engine, target, bench, settings, cfg.eval.temperature,
                                                cfg.eval.max_new_tokens, cfg.eval.limit, paths, hf=hf,
                                                extra_settings={"draft": str(draft_path), "aux_layers": meta["aux"]})
+        started = update_summary(bench, results[bench_name(bench)], paths, cfg, str(draft_path), started)
     return results
 
 

@@ -11,9 +11,26 @@ cannot be used are skipped with a reason, counted in DIR/prepare.json; --strict 
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 HELP = "conversations -> token ids, assistant loss masks and the draft vocabulary"
+EPILOG = """\
+writes into DIR:
+  dataset/            Arrow dataset: sample_id, input_ids (int32), loss_mask (int8, 1 on assistant tokens)
+  vocab.safetensors   draft vocabulary: d2t (offsets), t2d, token_counts
+  prepare.json        source, template and tokenizer hashes, kept/skipped counts per reason with the
+                      first file:line of each, length policy (written after the data: its presence
+                      means they are complete)
+  summary.json        wall_s, samples, samples_per_s, tokens, skipped per reason, regeneration figures
+  regen-*.jsonl       regenerated responses (a rerun resumes from it)
+  config.yaml         the resolved config
+
+formats: ShareGPT {conversations: [{from, value}]}, OpenAI {messages: [{role, content}]},
+{prompt, response[, system]}; a record is named by its id (or sample_id, conversation_id,
+question_id, task_id) field, else by FILE:LINE. Regeneration replaces the last assistant turn.
+exit status: 0 when a dataset was written (skips reported), 2 with a one-line reason otherwise
+(and on any skip under --strict)."""
 
 
 def add_arguments(parser) -> None:
@@ -22,20 +39,21 @@ def add_arguments(parser) -> None:
                         help="override a config value, e.g. --set data.num_prompts=500 (repeatable)")
     parser.add_argument("--target", help="target: HF dir, hub id, .gguf, smollm2, tiny (default: from config)")
     parser.add_argument("--data", action="append", metavar="PATH_OR_NAME",
-                        help="input file (.jsonl/.json/.parquet), saved dataset dir or hub name (repeatable); "
+                        help="input file (.jsonl/.json/.parquet), saved dataset dir or hub name org/name[:split] (repeatable); "
                              "none = the built-in prompt corpus")
     parser.add_argument("--out", required=True, metavar="DIR", help="output directory")
     parser.add_argument("--format", choices=["auto", "sharegpt", "openai", "prompt-response"],
                         help="record format (default: auto, detected per record)")
-    parser.add_argument("--max-length", type=int, metavar="N", help="longest sample in tokens")
+    parser.add_argument("--max-length", type=int, metavar="N",
+                        help="longest sample in tokens (default: data.max_length of the config)")
     parser.add_argument("--on-long", choices=["drop", "truncate"], help="what to do with longer samples (default: drop)")
     parser.add_argument("--strict", action="store_true", default=None, help="any skipped record is an error")
     parser.add_argument("--regenerate", metavar="local|URL",
                         help="rewrite the assistant responses with the target: 'local' (in this process), "
                              "an OpenAI-compatible server URL, or 'none' (default with --data: none; "
                              "without --data: the config's, 'local' in the presets)")
-    parser.add_argument("--draft-vocab", type=int, metavar="N", help="draft vocabulary size (capped at the target's)")
-    parser.add_argument("--num-prompts", type=int, metavar="N", help="size of the built-in corpus (without --data)")
+    parser.add_argument("--draft-vocab", type=int, metavar="N", help="draft vocabulary size, capped at the target's (default: data.draft_vocab of the config)")
+    parser.add_argument("--num-prompts", type=int, metavar="N", help="size of the built-in corpus, without --data (default: data.num_prompts of the config)")
 
 
 def config_from_args(args):
@@ -61,14 +79,52 @@ def config_from_args(args):
 
 
 def run_prepare(cfg, out_dir, target=None) -> dict:
-    """The pipeline's entry point: load the target named by cfg.target if none is given, then prepare."""
+    """The pipeline's entry point: load the target named by cfg.target if none is given, then prepare.
+
+    Returns prepare.json's content; also writes OUT/summary.json (see `stage_summary`).
+    """
+    from eyas.common import atomic_write_json
     from eyas.data import prepare
 
+    t0 = time.perf_counter()
     if target is None:
         from eyas.target import load_target
 
         target = load_target(cfg.target.spec, device=cfg.target.device, dtype=cfg.target.dtype)
-    return prepare(cfg, out_dir, target)
+    load_s = time.perf_counter() - t0
+    summary = prepare(cfg, out_dir, target)
+    atomic_write_json(Path(out_dir) / "summary.json", stage_summary(summary, time.perf_counter() - t0, load_s))
+    return summary
+
+
+def stage_summary(prep: dict, wall_s: float, load_s: float) -> dict:
+    """The stage's figures in the keys every stage's summary.json uses (the pipeline reads samples_per_s).
+
+    `tokens` counts every token of the kept samples; regeneration figures count this run's work only
+    (a resumed run skips what an earlier one wrote).
+    """
+    regen = prep.get("regeneration") or {}
+    regen_s = regen.get("seconds_this_run") or 0.0
+    regen_tokens = regen.get("num_tokens_this_run") or 0
+    return {
+        "stage": "prepare",
+        "wall_s": round(wall_s, 3),
+        "target_load_s": round(load_s, 3),
+        "samples": prep["num_kept"],
+        "samples_per_s": round(prep["num_kept"] / wall_s, 3) if wall_s > 0 else None,
+        "tokens": prep["num_tokens"],
+        "loss_tokens": prep["num_loss_tokens"],
+        "read": prep["num_read"],
+        "skipped": prep["dropped"],  # {reason: count}; reasons are explained in prepare.json
+        "skipped_total": prep["num_dropped"],
+        "truncated": prep["length_policy"]["num_truncated"],
+        "regenerated": regen.get("num_responses_this_run", 0),
+        "regen_tokens": regen_tokens,
+        "regen_s": regen_s,
+        "regen_tokens_per_s": round(regen_tokens / regen_s, 2) if regen_s > 0 and regen_tokens else None,
+        "tokenize_conversations_per_s": prep.get("tokenize_conversations_per_s"),
+        "draft_vocab_coverage": prep["vocab"]["coverage"],
+    }
 
 
 def main(args) -> int:

@@ -35,7 +35,11 @@ def add_arguments(parser) -> None:
     parser.add_argument("--ttt", type=int, help="training-time-test length K (1 = no TTT)")
     parser.add_argument("--lr", type=float, help="peak learning rate")
     parser.add_argument("--resume", action="store_true", help="continue from RUN_DIR/latest if it exists")
-    parser.add_argument("--tail", action="store_true", help="the store is still being captured: wait until it is complete")
+    parser.add_argument("--tail", action="store_true", help="the store is still being captured: train on its shards "
+                                                             "as they are committed (waits for the manifest and each shard)")
+    parser.add_argument("--poll-s", type=float, default=2.0, help="with --tail: seconds between looks at the manifest")
+    parser.add_argument("--tail-timeout-s", type=float, default=3600.0,
+                        help="with --tail: give up when no new shard is committed for this long")
     parser.add_argument("--device", help="auto | cpu | cuda | cuda:N (default: auto; under torchrun the local rank)")
 
 
@@ -68,12 +72,16 @@ def expected_target_name(spec: str) -> str:
     return path.name if path.is_dir() else spec
 
 
-def wait_for_complete(store: Path, poll_s: float = 5.0) -> None:
-    from eyas.common import print0
-    from eyas.store.manifest import read_manifest
+def wait_for_manifest(store: Path, poll_s: float, timeout_s: float) -> None:
+    """A capture about to start has not written its manifest yet; wait for it (the shards come later)."""
+    from eyas.common import EyasError, print0
 
-    while not (store / "manifest.json").is_file() or not read_manifest(store).get("complete"):
-        print0(f"waiting for the capture into {store} to complete ...")
+    start = time.time()
+    if not (store / "manifest.json").is_file():
+        print0(f"waiting for the capture into {store} to start ...")
+    while not (store / "manifest.json").is_file():
+        if time.time() - start > timeout_s:
+            raise EyasError(f"{store} has no manifest.json after {timeout_s:.0f} s; start `eyas capture --out {store}`")
         time.sleep(poll_s)
 
 
@@ -85,7 +93,7 @@ def store_training_source(cfg, args):
 
     store = Path(args.store)
     if args.tail:
-        wait_for_complete(store)
+        wait_for_manifest(store, args.poll_s, args.tail_timeout_s)
     if not (store / "manifest.json").is_file():
         raise EyasError(f"{store} is not a store (no manifest.json); create it with `eyas capture --data PREPARED --out {store}`")
     manifest = read_manifest(store)
@@ -95,10 +103,11 @@ def store_training_source(cfg, args):
         raise EyasError(f"refusing to train on store {store}: it holds features of target {found!r} but the config's "
                         f"target is {wanted!r}; pass --target (or --config) matching the store")
     expect = {"aux_layers": resolve_aux_layers(cfg.target.aux_layers, manifest["num_layers"])}
-    if not manifest.get("complete"):
+    if not manifest.get("complete") and not args.tail:
         raise EyasError(f"store {store} is not complete (capture still running or interrupted); rerun `eyas capture` "
-                        f"to finish it, or pass --tail to wait for it")
-    return store_source(store, expect=expect, vocab=args.vocab)
+                        f"to finish it, or pass --tail to train on its shards as they are committed")
+    return store_source(store, expect=expect, vocab=args.vocab, tail=args.tail, poll_s=args.poll_s,
+                        timeout_s=args.tail_timeout_s)
 
 
 class PreparedSamples:

@@ -15,7 +15,7 @@ from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from pathlib import Path
 
 from eyas.common import EyasError, progress
-from eyas.data.regenerate import ResultsFile, read_results
+from eyas.data.regenerate import ResultsFile, pending, prompt_sha, read_results
 
 
 def _base(url: str) -> str:
@@ -63,14 +63,15 @@ def served_model(url: str, timeout: float = 10.0) -> str:
 
 def regenerate_endpoint(url: str, prompts: list[dict], out_path: str | Path, *, max_new_tokens: int,
                         temperature: float = 0.0, concurrency: int = 8, timeout_s: float = 120.0,
-                        retries: int = 3, backoff_s: float = 1.0, model: str | None = None) -> dict[str, dict]:
+                        retries: int = 3, backoff_s: float = 1.0, model: str | None = None,
+                        stop_token_ids: list[int] | None = None) -> dict[str, dict]:
     """Ask the server for a response to each {id, messages} not yet in `out_path`; returns all results.
 
     A prompt that still fails after the retries gets no line (a rerun tries it again) and is
     reported by the caller as `regeneration_failed`.
     """
     done = read_results(out_path)
-    todo = [p for p in prompts if p["id"] not in done]
+    todo = pending(prompts, done)
     if not todo:
         return done
     model = model or served_model(url)
@@ -78,6 +79,8 @@ def regenerate_endpoint(url: str, prompts: list[dict], out_path: str | Path, *, 
 
     def one(p: dict) -> tuple[dict, dict | None, str | None]:
         body = {"model": model, "messages": p["messages"], "max_tokens": max_new_tokens, "temperature": temperature}
+        if stop_token_ids:  # vLLM and SGLang extension: extra ids that end the response
+            body["stop_token_ids"] = list(stop_token_ids)
         answer, err = _with_retries(lambda: _request(endpoint, body, timeout_s), retries, backoff_s)
         if err:
             return p, None, err
@@ -89,7 +92,8 @@ def regenerate_endpoint(url: str, prompts: list[dict], out_path: str | Path, *, 
         except (KeyError, IndexError, TypeError):
             return p, None, "bad response (no choices[0].message.content)"
         usage = answer.get("usage") or {}
-        return p, {"id": p["id"], "response": text, "num_prompt_tokens": usage.get("prompt_tokens"),
+        return p, {"id": p["id"], "prompt_sha": prompt_sha(p["messages"]), "response": text,
+                   "num_prompt_tokens": usage.get("prompt_tokens"),
                    "num_tokens": usage.get("completion_tokens"), "finish": choice.get("finish_reason")}, None
 
     sink = ResultsFile(out_path)
@@ -97,15 +101,15 @@ def regenerate_endpoint(url: str, prompts: list[dict], out_path: str | Path, *, 
     bar = progress(total=len(prompts), initial=len(prompts) - len(todo), desc="regenerate", unit="sample")
     try:
         with ThreadPoolExecutor(max_workers=max(1, concurrency)) as pool:
-            pending = set()
+            in_flight = set()
             queue = iter(todo)
             # keep at most `concurrency` requests in flight so a huge prompt list is not all queued at once
             for p in queue:
-                pending.add(pool.submit(one, p))
-                if len(pending) >= concurrency:
+                in_flight.add(pool.submit(one, p))
+                if len(in_flight) >= concurrency:
                     break
-            while pending:
-                finished, pending = wait(pending, return_when=FIRST_COMPLETED)
+            while in_flight:
+                finished, in_flight = wait(in_flight, return_when=FIRST_COMPLETED)
                 for fut in finished:
                     p, rec, err = fut.result()
                     if rec is not None:
@@ -116,7 +120,7 @@ def regenerate_endpoint(url: str, prompts: list[dict], out_path: str | Path, *, 
                     bar.update(1)
                     nxt = next(queue, None)
                     if nxt is not None:
-                        pending.add(pool.submit(one, nxt))
+                        in_flight.add(pool.submit(one, nxt))
     finally:
         bar.close()
         sink.close()

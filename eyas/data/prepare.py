@@ -20,6 +20,7 @@ from pathlib import Path
 from eyas.common import EyasError, atomic_write_json, print0, sha256_json
 from eyas.config import RunConfig
 from eyas.data.readers import REASONS, Conversation, Skip, read_sources
+from eyas.data.regenerate import answers, pending, read_results
 from eyas.data.template import ChatTemplate, TemplateMismatch, stop_token_ids
 
 CHUNK = 512  # conversations per batched tokenizer call
@@ -41,7 +42,21 @@ class _Report:
             self.details[reason] = detail
 
     def line(self) -> str:
-        return "; ".join(f"{r}: {n} (first at {self.first[r]})" for r, n in sorted(self.counts.items()))
+        def first(r: str) -> str:
+            detail = self.details[r]
+            return f"{self.first[r]}: {detail[:200]}" if detail else self.first[r]
+
+        return "; ".join(f"{r}: {n} (first at {first(r)})" for r, n in sorted(self.counts.items()))
+
+
+def _extra_stop_ids(tokenizer, tokens: list[str]) -> list[int]:
+    """data.stop_tokens as ids; each must be one token of the target's vocabulary."""
+    vocab = tokenizer.get_vocab()
+    missing = [t for t in tokens if t not in vocab]
+    if missing:
+        raise EyasError(f"data.stop_tokens: {missing} are not single tokens of the target's tokenizer; give tokens "
+                        f"such as {tokenizer.eos_token!r} exactly as the tokenizer spells them")
+    return [int(vocab[t]) for t in tokens]
 
 
 def _strict_check(cfg: RunConfig, report: _Report) -> None:
@@ -88,7 +103,10 @@ def _regenerate(cfg: RunConfig, target, template: ChatTemplate, convs: list[Conv
         prompts.append({"id": c.sample_id, "messages": msgs})
     settings = {"target": target.identity, "mode": dc.regenerate, "max_new_tokens": dc.regen_max_new_tokens,
                 "temperature": dc.regen_temperature, "seed": dc.seed}
+    if dc.stop_tokens:  # only when set, so that results files of earlier runs keep their names
+        settings["stop_ids"] = template.stop_ids
     path = out / f"regen-{sha256_json(settings)[:12]}.jsonl"
+    todo_ids = {p["id"] for p in pending(prompts, read_results(path))}  # a resumed run generates only these
     t0 = time.perf_counter()
     if dc.regenerate == "local":
         from eyas.data.regenerate import regenerate_local
@@ -100,20 +118,27 @@ def _regenerate(cfg: RunConfig, target, template: ChatTemplate, convs: list[Conv
         from eyas.data.endpoint import regenerate_endpoint
 
         results = regenerate_endpoint(dc.regenerate, prompts, path, max_new_tokens=dc.regen_max_new_tokens,
-                                      temperature=dc.regen_temperature, concurrency=dc.regen_concurrency)
+                                      temperature=dc.regen_temperature, concurrency=dc.regen_concurrency,
+                                      timeout_s=dc.regen_timeout_s, retries=dc.regen_retries,
+                                      stop_token_ids=template.stop_ids if dc.stop_tokens else None)
     seconds = time.perf_counter() - t0
     kept = []
     for c, p in zip(convs, prompts):
         rec = results.get(c.sample_id)
+        if not answers(rec, p["messages"]):
+            rec = None  # none, or an answer to an earlier version of this prompt that this run failed to replace
         if rec is None or not str(rec.get("response", "")).strip():
             report.skip("regeneration_failed", c.where, "no response" if rec is None else "empty response")
             continue
         kept.append(Conversation(c.sample_id, p["messages"] + [{"role": "assistant", "content": rec["response"]}],
                                  c.where))
     num_tokens = sum(int(results[c.sample_id].get("num_tokens") or 0) for c in kept)
+    fresh = [results[p["id"]] for p in prompts if p["id"] in todo_ids and answers(results.get(p["id"]), p["messages"])]
+    new_tokens = sum(int(r.get("num_tokens") or 0) for r in fresh)
     finishes = Counter(str(results[c.sample_id].get("finish")) for c in kept)
     return kept, {"mode": dc.regenerate, "results": path.name, "settings": settings, "num_responses": len(kept),
-                  "num_tokens": num_tokens, "finish": dict(finishes), "seconds_this_run": round(seconds, 2)}
+                  "num_tokens": num_tokens, "finish": dict(finishes), "seconds_this_run": round(seconds, 2),
+                  "num_responses_this_run": len(fresh), "num_tokens_this_run": new_tokens}
 
 
 def _tokenize(cfg: RunConfig, template: ChatTemplate, convs: list[Conversation], report: _Report) -> tuple[dict, dict]:
@@ -158,7 +183,13 @@ def _write_dataset(cols: dict, out: Path) -> None:
     ds = datasets.Dataset.from_dict(cols, features=features)
     tmp, final = out / ".dataset.tmp", out / "dataset"
     shutil.rmtree(tmp, ignore_errors=True)
-    ds.save_to_disk(str(tmp))
+    was_on = datasets.is_progress_bar_enabled()
+    datasets.disable_progress_bars()  # a bar for a write of a second or two is noise in the stage's log
+    try:
+        ds.save_to_disk(str(tmp))
+    finally:
+        if was_on:
+            datasets.enable_progress_bars()
     shutil.rmtree(final, ignore_errors=True)
     tmp.rename(final)
 
@@ -175,9 +206,12 @@ def prepare(cfg: RunConfig, out_dir: str | Path, target) -> dict:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "prepare.json").unlink(missing_ok=True)  # the directory is incomplete until it is rewritten
+    (out / "summary.json").unlink(missing_ok=True)
     tok = target.tokenizer
+    stop_ids = stop_token_ids(tok, getattr(target.model, "generation_config", None))
+    stop_ids += [i for i in _extra_stop_ids(tok, cfg.data.stop_tokens) if i not in stop_ids]
     try:
-        template = ChatTemplate(tok, stop_token_ids(tok, getattr(target.model, "generation_config", None)))
+        template = ChatTemplate(tok, stop_ids)
     except ValueError as e:
         raise EyasError(str(e)) from None
     report = _Report()

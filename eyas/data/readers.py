@@ -60,8 +60,15 @@ class Skip:
 def read_sources(sources: Iterable[str], fmt: str = "auto", need_assistant: bool = True) -> Iterator[Conversation | Skip]:
     """All records of all sources in order; duplicate ids (across sources too) are skipped."""
     seen: set[str] = set()
-    for source in sources:
-        for item in _read_one(source, fmt, need_assistant):
+    labels: set[str] = set()
+    for k, source in enumerate(sources):
+        # records without an id are named `label:line`; two sources with the same file name
+        # (a/train.jsonl, b/train.jsonl) get distinct labels so their records do not collide
+        label = source.rstrip("/").split("/")[-1]
+        if label in labels:
+            label = f"{label}#{k}"
+        labels.add(label)
+        for item in _read_one(source, label, fmt, need_assistant):
             if isinstance(item, Conversation):
                 if item.sample_id in seen:
                     yield Skip("duplicate_id", item.where, item.sample_id)
@@ -70,15 +77,14 @@ def read_sources(sources: Iterable[str], fmt: str = "auto", need_assistant: bool
             yield item
 
 
-def _read_one(source: str, fmt: str, need_assistant: bool) -> Iterator[Conversation | Skip]:
+def _read_one(source: str, stem: str, fmt: str, need_assistant: bool) -> Iterator[Conversation | Skip]:
     path = Path(source).expanduser()
     if not path.exists() and not _looks_like_hub_name(source):
         yield Skip("unreadable_file", source, "no such file")
         return
     if path.is_dir() or not path.exists():
-        yield from _read_hf(source, fmt, need_assistant)
+        yield from _read_hf(source, stem, fmt, need_assistant)
         return
-    stem = path.name
     suffix = "".join(path.suffixes[-2:]) if path.suffix == ".gz" else path.suffix
     if suffix in (".jsonl", ".jsonl.gz"):
         yield from _read_jsonl(path, stem, fmt, need_assistant)
@@ -123,8 +129,14 @@ def _read_jsonl(path: Path, stem: str, fmt: str, need_assistant: bool) -> Iterat
 def _read_json(path: Path, stem: str, fmt: str, need_assistant: bool) -> Iterator[Conversation | Skip]:
     try:
         doc = json.loads(path.read_bytes().decode("utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        yield Skip("unreadable_file", str(path), type(e).__name__)
+    except UnicodeDecodeError as e:
+        yield Skip("invalid_utf8", f"{path}:byte {e.start}", "the file is not valid UTF-8")
+        return
+    except json.JSONDecodeError as e:
+        yield Skip("unreadable_file", f"{path}:{e.lineno}", f"not valid JSON: {e.msg}")
+        return
+    except OSError as e:
+        yield Skip("unreadable_file", str(path), e.strerror or type(e).__name__)
         return
     if isinstance(doc, dict):  # {"data": [...]} and similar wrappers
         lists = [v for v in doc.values() if isinstance(v, list)]
@@ -151,7 +163,7 @@ def _read_parquet(path: Path, stem: str, fmt: str, need_assistant: bool) -> Iter
             i += 1
 
 
-def _read_hf(name: str, fmt: str, need_assistant: bool) -> Iterator[Conversation | Skip]:
+def _read_hf(name: str, stem: str, fmt: str, need_assistant: bool) -> Iterator[Conversation | Skip]:
     """A hub dataset name (`org/name`, optionally `org/name:split`) or a `save_to_disk` directory."""
     try:
         import datasets
@@ -165,9 +177,9 @@ def _read_hf(name: str, fmt: str, need_assistant: bool) -> Iterator[Conversation
             ds = ds["train"] if "train" in ds else ds[next(iter(ds))]
     except Exception as e:  # noqa: BLE001 -- offline, missing, private: all one skip with the reason
         first = str(e).strip().splitlines()[0][:160] if str(e).strip() else ""
-        yield Skip("unreadable_file", name, f"{type(e).__name__}: {first}")
+        hint = "" if Path(name).is_dir() else "; without network, pass a local file or a save_to_disk directory"
+        yield Skip("unreadable_file", name, f"{type(e).__name__}: {first}{hint}")
         return
-    stem = name.rstrip("/").split("/")[-1]
     for i, record in enumerate(ds):
         yield parse_record(record, f"{stem}:{i}", f"{name}:row {i}", fmt, need_assistant)
 
@@ -187,7 +199,7 @@ def parse_record(record: Any, default_id: str, where: str, fmt: str = "auto",
         messages = [{"role": "user", "content": record.get("prompt")}]
         if "response" in record or "completion" in record:
             messages.append({"role": "assistant", "content": record.get("response", record.get("completion"))})
-        if isinstance(record.get("system"), str):
+        if record.get("system") is not None:  # checked like any content: a non-string is a skip, not dropped
             messages.insert(0, {"role": "system", "content": record["system"]})
         return _check(sample_id, messages, where, need_assistant)
     raw = record["conversations"] if kind == "sharegpt" else record["messages"]

@@ -6,8 +6,9 @@ hit an end-of-turn token or the token limit leave the batch and its KV cache, so
 falls as rows finish. Greedy by default; temperature > 0 samples with a seeded generator.
 
 Results are appended, one JSON line per prompt, to a JSONL file and flushed after every batch, so a
-crash loses at most one batch; a rerun reads the file, skips finished ids and continues. A torn last
-line (the process died mid-write) is cut off before appending.
+crash loses at most one batch; a rerun reads the file, skips finished ids and continues. Each line
+carries the hash of the messages it answers, so an id whose prompt changed is generated again (the
+newest line of an id wins). A torn last line (the process died mid-write) is cut off before appending.
 """
 
 from __future__ import annotations
@@ -24,6 +25,24 @@ from eyas.common import progress
 
 
 # ---------------------------------------------------------------- the results file
+
+def prompt_sha(messages: list[dict]) -> str:
+    """A result answers these exact messages: a rerun whose input changed under the same id regenerates it."""
+    from eyas.common import sha256_json
+
+    return sha256_json(messages)[:16]
+
+
+def answers(result: dict | None, messages: list[dict]) -> bool:
+    """True when `result` answers these messages. Lines written before results carried the hash
+    (no `prompt_sha`) are taken as they are, so that an older run still resumes."""
+    return result is not None and result.get("prompt_sha", prompt_sha(messages)) == prompt_sha(messages)
+
+
+def pending(prompts: list[dict], done: dict[str, dict]) -> list[dict]:
+    """The prompts without a result for their current messages (resume skips the rest)."""
+    return [p for p in prompts if not answers(done.get(p["id"]), p["messages"])]
+
 
 def read_results(path: str | Path) -> dict[str, dict]:
     """id -> result of every complete line (a torn last line or a bad line is ignored)."""
@@ -129,7 +148,7 @@ def regenerate_local(target, prompts: list[dict], out_path: str | Path, *, templ
     `template` is a ChatTemplate (its prompt_ids() is the exact inference prompt).
     """
     done = read_results(out_path)
-    todo = [p for p in prompts if p["id"] not in done]
+    todo = pending(prompts, done)
     if not todo:
         return done
     tok = target.tokenizer
@@ -152,7 +171,8 @@ def regenerate_local(target, prompts: list[dict], out_path: str | Path, *, templ
             records = []
             for (p, ids), res in zip(chunk, results):
                 text = tok.decode(res["tokens"], skip_special_tokens=True)
-                records.append({"id": p["id"], "response": text, "num_prompt_tokens": len(ids),
+                records.append({"id": p["id"], "prompt_sha": prompt_sha(p["messages"]), "response": text,
+                                "num_prompt_tokens": len(ids),
                                 "num_tokens": len(res["tokens"]), "finish": res["finish"]})
                 num_tokens += len(res["tokens"])
             sink.append(records)

@@ -60,17 +60,15 @@ def coverage(vocab: dict[str, torch.Tensor]) -> float:
 
 
 def save_vocab(vocab: dict[str, torch.Tensor], path: str | Path) -> dict:
-    """Write vocab.safetensors (through a temporary file); returns its metadata."""
-    import os
+    """Write vocab.safetensors atomically (temporary file, fsync, rename); returns its metadata."""
+    from safetensors.torch import save
 
-    from safetensors.torch import save_file
+    from eyas.common import atomic_write_bytes
 
-    path = Path(path)
     meta = {"draft_vocab_size": int(vocab["d2t"].numel()), "vocab_size": int(vocab["t2d"].numel()),
             "coverage": round(coverage(vocab), 6)}
-    tmp = path.with_name(f".{path.name}.tmp")
-    save_file({k: v.contiguous() for k, v in vocab.items()}, str(tmp), metadata={k: str(v) for k, v in meta.items()})
-    os.replace(tmp, path)
+    data = save({k: v.contiguous() for k, v in vocab.items()}, metadata={k: str(v) for k, v in meta.items()})
+    atomic_write_bytes(path, data)
     return meta
 
 

@@ -26,7 +26,11 @@ def children_lists(parents: list[int]) -> list[list[int]]:
 
 def accept_greedy(logits: torch.Tensor, tokens: list[int], parents: list[int]) -> tuple[list[int], int]:
     """-> (accepted node indices along the path, bonus token)."""
-    best = logits.argmax(-1).tolist()  # one sync for all rows
+    return walk_greedy(logits.argmax(-1).tolist(), tokens, parents)  # one sync for all rows
+
+
+def walk_greedy(best: list[int], tokens: list[int], parents: list[int]) -> tuple[list[int], int]:
+    """accept_greedy on the target's argmax per row, already on the host."""
     children = children_lists(parents)
     path, row = [], 0
     while True:
@@ -70,9 +74,11 @@ def accept_sample(logits: torch.Tensor, tokens: list[int], parents: list[int], t
         row = kids[i] + 1
 
 
-def sample_token(logits: torch.Tensor, temperature: float, generator=None) -> int:
-    """A token from one row of logits: argmax at temperature 0, else a tempered sample."""
+def sample_token(logits: torch.Tensor, temperature: float, generator=None, on_device: bool = False):
+    """A token from one row of logits: argmax at temperature 0, else a tempered sample.
+    -> int, or with on_device a [1] tensor left on the device (no sync)."""
     if temperature <= 0:
-        return int(logits.argmax(-1))
-    probs = torch.softmax(logits / temperature, dim=-1)
-    return int(torch.multinomial(probs, 1, generator=generator))
+        tok = logits.argmax(-1, keepdim=True)
+    else:
+        tok = torch.multinomial(torch.softmax(logits / temperature, dim=-1), 1, generator=generator)
+    return tok if on_device else int(tok)

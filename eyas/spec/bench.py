@@ -180,7 +180,8 @@ def warm_up(engine: SpecEngine, model, tokenizer, settings, eos, hf: bool) -> No
 
 def bench_one(engine, target, bench: str, settings, temperature: float, max_new_tokens: int, limit: int,
               out_paths: dict, hf: bool = True, extra_settings: dict | None = None) -> dict:
-    """Run every setting on one benchmark; write JSON and PNG per setting. -> {setting: summary}."""
+    """Run every setting on one benchmark; write JSON and PNG per setting. -> {setting: summary}; each
+    summary's `wall_s` covers that setting (the first one also pays for the baselines it runs)."""
     from eyas.data.template import stop_token_ids
 
     tok = target.tokenizer
@@ -189,6 +190,7 @@ def bench_one(engine, target, bench: str, settings, temperature: float, max_new_
     warm_up(engine, target.model, tok, settings, eos, hf)
     baseline, summaries = None, {}
     for name, setting in settings:
+        started = time.perf_counter()
         depth = setting.get("steps") or setting["tree"][1]
         records, stats = run_spec(engine, tok, requests, setting, temperature, max_new_tokens, eos,
                                   desc=f"{bench_name(bench)} {name}")
@@ -204,9 +206,10 @@ def bench_one(engine, target, bench: str, settings, temperature: float, max_new_
         if temperature == 0:
             turns = [t for r in records for t in r["turns"]]
             summary["plain_mismatches"] = sum(t["tokens"] != p for t, p in zip(turns, baseline["plain_tokens"]))
-        for r in records:
+        summary["wall_s"] = time.perf_counter() - started  # this setting's decoding and the baselines it ran
+        for r in records:  # the context ids stay in the file: with them anyone can re-run plain decoding
             for t in r["turns"]:
-                t["num_prompt_tokens"] = len(t.pop("prompt_ids"))
+                t["num_prompt_tokens"] = len(t["prompt_ids"])
         result = {
             "settings": {"bench": bench, "setting": name, **{k: list(v) if isinstance(v, tuple) else v
                                                           for k, v in setting.items()},

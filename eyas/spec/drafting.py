@@ -2,13 +2,15 @@
 
 Both start from the draft's state after the committed tokens: its KV cache (entries 0..N-1, built
 from the target's real features) and the hidden output and logits of its last entry, which predict
-token N+1. A proposal is a `Proposal`: target token ids of the nodes, each node's parent (-1 = the
-root, i.e. the last committed token N that the target has not seen yet) and depth, nodes ordered
-so that parents come first and siblings by descending draft score. A chain is a tree whose nodes
-each have one child.
+token N+1. A chain stays on the device: its k tokens come back as one tensor and the engine reads
+them to the host together with the target's verdict, in the cycle's single sync. A tree is a
+`Proposal`: target token ids of the nodes, each node's parent (-1 = the root, i.e. the last
+committed token N that the target has not seen yet) and depth, nodes ordered so that parents come
+first and siblings by descending draft score; building it reads each level's top-k to the host once.
 
 Drafting appends entries to the draft cache; the engine rolls them back by slicing (the caller
-keeps N and cuts the cache to N before rebuilding it from real features).
+keeps N and cuts the cache to N before rebuilding it from real features). `positions` is a view of
+a device buffer of position ids ([1, n], starting at N), so no step copies an index to the device.
 """
 
 from __future__ import annotations
@@ -29,75 +31,93 @@ class Proposal:
         return len(self.tokens)
 
 
-def draft_chain(draft, cache, hidden, logits, position: int, steps: int) -> tuple[Proposal, tuple]:
-    """k greedy draft tokens. hidden [1,1,H] and logits [Vd] belong to the entry at position-1."""
+def draft_chain(draft, cache, hidden, logits, positions, steps: int) -> tuple[torch.Tensor, tuple, int]:
+    """k greedy draft tokens. hidden [1,1,H] and logits [Vd] belong to the entry at position N-1;
+    positions [1, >= k-1] holds N, N+1, ... -> (target ids [k] on the device, cache, tokens fed)."""
     tokens = []
     for i in range(steps):
         tok = draft.to_target_ids(logits.argmax(-1, keepdim=True))  # [1]
-        tokens.append(int(tok))
+        tokens.append(tok)
         if i == steps - 1:
             break
-        out = draft(hidden, tok.view(1, 1), torch.tensor([[position + i]], device=tok.device), past_key_values=cache)
+        out = draft(hidden, tok.view(1, 1), positions[:, i:i + 1], past_key_values=cache)
         hidden, logits, cache = out.hidden_out[:, -1:], out.logits[0, -1], out.past_key_values
-    n = len(tokens)
-    return Proposal(tokens, list(range(-1, n - 1)), list(range(1, n + 1)), n - 1), cache
+    return torch.cat(tokens), cache, steps - 1
 
 
-def draft_tree(draft, cache, hidden, logits, position: int, topk: int, depth: int, total: int):
+def _frontier_mask(frontier, pool_parent, slot_of, past: int, base: int, device) -> torch.Tensor:
+    """[F, past + base + F]: each frontier node sees the committed past, its expanded ancestors, itself.
+    Built on the host and copied once (per-element writes on the device would each be a kernel)."""
+    f = len(frontier)
+    mask = torch.zeros(f, past + base + f, dtype=torch.bool)
+    mask[:, :past] = True
+    for row, node in enumerate(frontier):
+        a = pool_parent[node]
+        while a >= 0:
+            mask[row, past + slot_of[a]] = True
+            a = pool_parent[a]
+        mask[row, past + base + row] = True
+    return mask.to(device)
+
+
+def draft_tree(draft, cache, hidden, logits, positions, topk: int, depth: int, total: int, d2t: list[int] | None = None):
     """EAGLE-2 dynamic tree: expand the `topk` best nodes per level to `depth`, keep the `total`
     nodes of highest cumulative draft log-prob (a parent always scores at least its child, so the
     kept set is closed under ancestors; ties are broken by depth so that holds exactly).
+    positions [1, >= depth-1] holds N, N+1, ...; one device-to-host read per level. `d2t` is the
+    draft's offset table as a host list (read once per generation), None for an identity vocabulary.
     """
     device = logits.device
     past = cache[0].shape[2]
     logp = torch.log_softmax(logits.float(), dim=-1)  # [Vd]
     top = logp.topk(min(topk, logp.numel()))
-    # candidate pool: (score, depth, creation index, parent pool index, draft id)
-    pool_scores = top.values.tolist()
+    # candidate pool, indexed by creation order: score, depth, parent pool index, draft id
+    pool_scores, pool_ids = torch.stack([top.values, top.indices.to(top.values.dtype)]).tolist()
+    pool_ids = [int(i) for i in pool_ids]
     pool_depth = [1] * len(pool_scores)
     pool_parent = [-1] * len(pool_scores)
-    pool_ids = top.indices.tolist()
     frontier = list(range(len(pool_scores)))  # pool indices to expand next
+    frontier_ids = top.indices  # [F] draft ids of the frontier, on the device
+    frontier_scores = top.values  # [F] their cumulative log-probs, on the device
     frontier_hidden = hidden.expand(1, len(frontier), hidden.shape[-1])  # [1, F, H]
     slot_of = {}  # pool index -> draft-cache slot (relative to past) of its expanded entry
     for d in range(1, depth):
         f = len(frontier)
-        ids = draft.to_target_ids(torch.tensor(pool_ids, device=device)[frontier]).view(1, f)
+        ids = draft.to_target_ids(frontier_ids).view(1, f)
         base = len(slot_of)
-        mask = torch.zeros(f, past + base + f, dtype=torch.bool, device=device)
-        mask[:, :past] = True
-        for row, node in enumerate(frontier):
-            a = pool_parent[node]
-            while a >= 0:
-                mask[row, past + slot_of[a]] = True
-                a = pool_parent[a]
-            mask[row, past + base + row] = True
-        pos = torch.full((1, f), position + d - 1, device=device)
+        mask = _frontier_mask(frontier, pool_parent, slot_of, past, base, device)
+        pos = positions[:, d - 1:d].expand(1, f)
         out = draft(frontier_hidden, ids, pos, past_key_values=cache, attention_mask=mask[None, None])
         cache = out.past_key_values
         for row, node in enumerate(frontier):
             slot_of[node] = base + row
         child_logp = torch.log_softmax(out.logits[0].float(), dim=-1)  # [F, Vd]
-        child = child_logp.topk(min(topk, child_logp.shape[-1]), dim=-1)
-        parent_scores = torch.tensor([pool_scores[n] for n in frontier], device=device)
-        cum = parent_scores[:, None] + child.values  # [F, topk]
+        k = min(topk, child_logp.shape[-1])
+        child = child_logp.topk(k, dim=-1)
+        cum = frontier_scores[:, None] + child.values  # [F, k]
+        best = cum.flatten().topk(min(topk, cum.numel())).indices if d < depth - 1 else None
+        # one read per level: scores, child ids and (but for the last level) the next frontier
+        host = torch.cat([cum.flatten().double(), child.indices.flatten().double()]
+                         + ([best.double()] if best is not None else [])).tolist()
+        n = f * k
+        scores, kids = host[:n], host[n:2 * n]
         start = len(pool_scores)
-        for row, node in enumerate(frontier):
-            for j in range(cum.shape[1]):
-                pool_scores.append(float(cum[row, j]))
-                pool_depth.append(d + 1)
-                pool_parent.append(node)
-                pool_ids.append(int(child.indices[row, j]))
-        if d == depth - 1:
+        for i in range(n):
+            pool_scores.append(scores[i])
+            pool_depth.append(d + 1)
+            pool_parent.append(frontier[i // k])
+            pool_ids.append(int(kids[i]))
+        if best is None:
             break
-        best = cum.flatten().topk(min(topk, cum.numel())).indices.tolist()
-        frontier = [start + i for i in best]
-        rows = torch.tensor([i // cum.shape[1] for i in best], device=device)
-        frontier_hidden = out.hidden_out[:, rows]  # each new frontier node's parent output
+        chosen = [int(i) for i in host[2 * n:]]
+        frontier = [start + i for i in chosen]
+        frontier_ids = child.indices.flatten()[best]
+        frontier_scores = cum.flatten()[best]
+        frontier_hidden = out.hidden_out[:, best // k]  # each new frontier node's parent output
     order = sorted(range(len(pool_scores)), key=lambda i: (-pool_scores[i], pool_depth[i], i))[:total]
     order.sort(key=lambda i: (pool_depth[i], -pool_scores[i], i))  # parents first, siblings by score
     index = {p: i for i, p in enumerate(order)}
-    target_ids = draft.to_target_ids(torch.tensor([pool_ids[p] for p in order], device=device)).tolist()
+    target_ids = [pool_ids[p] + (d2t[pool_ids[p]] if d2t else 0) for p in order]
     parents = [index[pool_parent[p]] if pool_parent[p] >= 0 else -1 for p in order]
     assert all(p < i for i, p in enumerate(parents)), "tree nodes must follow their parents"
     return Proposal(target_ids, parents, [pool_depth[p] for p in order], len(slot_of)), cache

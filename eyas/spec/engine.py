@@ -22,9 +22,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from eyas.spec.accept import accept_greedy, accept_sample, sample_token
+from eyas.spec.accept import accept_sample, sample_token, walk_greedy
 from eyas.spec.drafting import draft_chain, draft_tree
-from eyas.spec.target import TargetRunner, causal_mask, tree_mask
+from eyas.spec.target import Positions, TargetRunner, tree_mask
 
 
 @dataclass
@@ -45,8 +45,9 @@ class GenResult:
         return (sum(self.accepted_per_cycle) + len(self.accepted_per_cycle)) / max(1, self.num_cycles)
 
 
-def _finished(tokens: list[int], max_new: int, eos: set[int]) -> bool:
-    return len(tokens) >= max_new or any(t in eos for t in tokens)
+def _finished(tokens: list[int], max_new: int, eos: set[int], start: int = 0) -> bool:
+    """Enough tokens, or an eos among tokens[start:] (the ones added since the last check)."""
+    return len(tokens) >= max_new or any(t in eos for t in tokens[start:])
 
 
 def _cut(tokens: list[int], max_new: int, eos: set[int]) -> list[int]:
@@ -61,7 +62,9 @@ def _cut(tokens: list[int], max_new: int, eos: set[int]) -> list[int]:
 class SpecEngine:
     """A target model plus an EAGLE-3 draft (Eagle3Draft or anything with its interface)."""
 
-    def __init__(self, target_model, draft=None, aux_layers: list[int] | None = None):
+    def __init__(self, target_model, draft=None, aux_layers: list[int] | None = None, sync_timing: bool = True):
+        """sync_timing: synchronise the device between drafting and verification, so that draft_s and
+        verify_s are exact on CUDA (False saves those waits; only total_s is then meaningful)."""
         self.model = target_model
         self.draft = draft
         self.runner = TargetRunner(target_model, aux_layers if draft is not None else None)
@@ -69,22 +72,47 @@ class SpecEngine:
         first = next(iter(draft.parameters()), None) if draft is not None else None
         self.draft_dtype = first.dtype if first is not None else None  # scripted drafts have no parameters
         self.draft_forward_tokens = 0
+        self.sync_timing = sync_timing
+        self._d2t = None
 
     def _sync(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
+    def _split_sync(self) -> None:
+        """Synchronise between phases only when draft_s/verify_s are wanted (it costs device idle time)."""
+        if self.sync_timing:
+            self._sync()
+
     def _ids(self, tokens) -> torch.Tensor:
         return torch.as_tensor(tokens, dtype=torch.long, device=self.device).view(1, -1)
 
-    def _draft_forward(self, aux, tokens, start: int, cache):
-        """Feed (fuse(aux_t), token_{t+1}) at positions start.. and return (hidden [1,1,H], logits [Vd], cache)."""
+    def _draft_forward(self, aux, tokens, positions, cache):
+        """Feed (fuse(aux_t), token_{t+1}) for aux [T, A*H], tokens [T] (device) at positions [1, T]
+        -> (hidden [1,1,H], logits [Vd] of the last entry, cache)."""
         hidden = self.draft.fuse(aux.to(self.draft_dtype) if self.draft_dtype is not None else aux)[None]
-        ids = self._ids(tokens)
-        pos = torch.arange(start, start + ids.shape[1], device=self.device)[None]
-        out = self.draft(hidden, ids, pos, past_key_values=cache)
-        self.draft_forward_tokens += ids.shape[1]
+        out = self.draft(hidden, tokens.view(1, -1), positions, past_key_values=cache)
+        self.draft_forward_tokens += tokens.numel()
         return out.hidden_out[:, -1:], out.logits[0, -1], out.past_key_values
+
+    def _d2t_host(self) -> list[int] | None:
+        """The draft's d2t offsets as a host list (tree drafting maps ids on the host), read once."""
+        d2t = getattr(self.draft, "d2t", None)
+        if not isinstance(d2t, torch.Tensor) or d2t.numel() == 0:
+            return None
+        if self._d2t is None or self._d2t[0] is not d2t or self._d2t[1] != d2t._version:
+            self._d2t = (d2t, d2t._version, d2t.tolist() if bool(d2t.any()) else None)
+        return self._d2t[2]
+
+    def _tree_inputs(self, pending: int, prop, past: int, pos: Positions):
+        """(ids [1, T], positions [1, T], mask [1, 1, T, past + T]) of a tree verification with one copy
+        to the device: tokens, depths and the ancestor mask travel in one int64 tensor."""
+        t = len(prop) + 1
+        anc = tree_mask(0, [-1] + [p + 1 for p in prop.parents], "cpu")[0, 0]  # [T, T]
+        host = torch.cat([torch.tensor([[pending] + prop.tokens, [0] + prop.depths]), anc.long()])  # [2 + T, T]
+        dev = host.to(self.device)
+        mask = torch.cat([pos.all_true[0, 0, :, :past].expand(t, past), dev[2:].bool()], dim=1)
+        return dev[0:1], dev[1:2] + past, mask[None, None]
 
     # ------------------------------------------------------------------ speculative
 
@@ -92,7 +120,12 @@ class SpecEngine:
     def generate(self, input_ids, max_new_tokens: int, steps: int | None = None, tree: tuple | None = None,
                  temperature: float = 0.0, eos_token_ids=(), generator=None) -> GenResult:
         """Speculative decoding of one prompt (input_ids: list or [1, T]); `steps` = chain length k, or
-        `tree` = (topk, depth, total)."""
+        `tree` = (topk, depth, total).
+
+        A greedy chain cycle reads the device once: its k draft tokens and the target's k + 1 argmax
+        together; everything else it needs (positions, masks, the accepted tokens for the draft's
+        rebuild) stays on the device. A tree cycle reads once per tree level and copies its inputs once.
+        """
         if self.draft is None:
             raise ValueError("this engine has no draft; use plain_generate")
         if (steps is None) == (tree is None):
@@ -100,62 +133,88 @@ class SpecEngine:
         prompt = self._ids(input_ids)
         eos = set(int(e) for e in eos_token_ids)
         n = prompt.shape[1]
-        width = steps if steps is not None else tree[2]
+        width = steps if steps is not None else max(tree[1], tree[2])  # verify width, draft positions
         res = GenResult(tokens=[])
         self.runner.attach()
         try:
             self._sync()
             t0 = time.perf_counter()
-            cache = self.runner.new_cache(n + max_new_tokens + width + 2)
-            logits, aux = self.runner.forward(cache, prompt, torch.arange(n, device=self.device)[None],
-                                              causal_mask(0, n, self.device), last_only=True)
+            capacity = n + max_new_tokens + width + 2
+            cache = self.runner.new_cache(capacity)
+            pos = Positions(capacity, self.device)
+            logits, aux = self.runner.forward(cache, prompt, pos.at(0, n), pos.causal(0, n), last_only=True)
             cache.advance(n)
-            pending = sample_token(logits[-1], temperature, generator)
+            pending_dev = sample_token(logits[-1], temperature, generator, on_device=True)  # [1]
+            pending = int(pending_dev)
             res.tokens.append(pending)
-            hidden, dlogits, dcache = self._draft_forward(aux, prompt[0, 1:].tolist() + [pending], 0, None)
+            hidden, dlogits, dcache = self._draft_forward(aux, torch.cat([prompt[0, 1:], pending_dev]), pos.at(0, n),
+                                                          None)
+            d2t = self._d2t_host() if tree is not None else None
             self._sync()
             res.prefill_s = time.perf_counter() - t0
             while not _finished(res.tokens, max_new_tokens, eos):
                 big_n = cache.length
                 t1 = time.perf_counter()
                 if steps is not None:
-                    prop, dcache = draft_chain(self.draft, dcache, hidden, dlogits, big_n, steps)
+                    drafted, dcache, fed = draft_chain(self.draft, dcache, hidden, dlogits, pos.at(big_n, steps), steps)
+                    feed = torch.cat([pending_dev, drafted]).view(1, -1)
+                    positions, mask = pos.at(big_n, steps + 1), pos.causal(big_n, steps + 1)
                 else:
-                    prop, dcache = draft_tree(self.draft, dcache, hidden, dlogits, big_n, *tree)
-                self.draft_forward_tokens += prop.num_fed
-                self._sync()
+                    prop, dcache = draft_tree(self.draft, dcache, hidden, dlogits, pos.at(big_n, tree[1]), *tree, d2t=d2t)
+                    fed = prop.num_fed
+                    feed, positions, mask = self._tree_inputs(pending, prop, big_n, pos)
+                self.draft_forward_tokens += fed
+                self._split_sync()
                 t2 = time.perf_counter()
-                feed = [pending] + prop.tokens
-                pos = torch.tensor([[0] + prop.depths], device=self.device) + big_n
-                mask = causal_mask(big_n, len(feed), self.device) if steps is not None else \
-                    tree_mask(big_n, [-1] + [p + 1 for p in prop.parents], self.device)
-                logits, aux = self.runner.forward(cache, self._ids(feed), pos, mask)
-                if temperature > 0:
-                    path, bonus = accept_sample(logits, prop.tokens, prop.parents, temperature, generator)
+                logits, aux = self.runner.forward(cache, feed, positions, mask)
+                best = None
+                if steps is not None:
+                    if temperature > 0:
+                        tokens, parents = drafted.tolist(), list(range(-1, steps - 1))
+                    else:
+                        best = logits.argmax(-1)  # [k + 1]
+                        both = torch.cat([drafted, best]).tolist()  # the cycle's one read of the device
+                        tokens, parents = both[:steps], list(range(-1, steps - 1))
                 else:
-                    path, bonus = accept_greedy(logits, prop.tokens, prop.parents)
+                    tokens, parents = prop.tokens, prop.parents
+                if temperature > 0:
+                    path, bonus = accept_sample(logits, tokens, parents, temperature, generator)
+                elif best is not None:
+                    path, bonus = walk_greedy(both[steps:], tokens, parents)
+                else:
+                    path, bonus = walk_greedy(logits.argmax(-1).tolist(), tokens, parents)
                 rows = [0] + [i + 1 for i in path]
                 cache.keep(rows)
-                self._sync()
+                self._split_sync()
                 t3 = time.perf_counter()
-                accepted = [prop.tokens[i] for i in path]
+                accepted = [tokens[i] for i in path]
+                before = len(res.tokens)
                 res.tokens.extend(accepted + [bonus])
                 res.num_cycles += 1
                 res.accepted_per_cycle.append(len(path))
-                res.accepted_depths.append(max(prop.depths))
-                res.target_tokens_per_cycle.append(len(feed))
+                res.accepted_depths.append(steps if steps is not None else max(prop.depths))
+                res.target_tokens_per_cycle.append(feed.shape[1])
                 pending = bonus
-                if _finished(res.tokens, max_new_tokens, eos):
+                if _finished(res.tokens, max_new_tokens, eos, before):
                     res.draft_s += t2 - t1
                     res.verify_s += t3 - t2
-                    res.draft_tokens_per_cycle.append(prop.num_fed)
+                    res.draft_tokens_per_cycle.append(fed)
                     break
+                if best is not None:  # a greedy chain: accepted + bonus = the target's argmax rows 0..a
+                    kept = best[:len(rows)]
+                    pending_dev = best[len(path):len(rows)]
+                    aux_kept = aux[:len(rows)]
+                else:
+                    kept = self._ids(accepted + [bonus])[0]
+                    pending_dev = kept[-1:]
+                    aux_kept = aux[:len(rows)] if steps is not None else aux[rows]
                 dcache = (dcache[0][:, :, :big_n], dcache[1][:, :, :big_n])
-                hidden, dlogits, dcache = self._draft_forward(aux[rows], accepted + [bonus], big_n, dcache)
-                self._sync()
+                hidden, dlogits, dcache = self._draft_forward(aux_kept, kept, pos.at(big_n, len(rows)), dcache)
+                self._split_sync()
                 res.draft_s += (t2 - t1) + (time.perf_counter() - t3)
                 res.verify_s += t3 - t2
-                res.draft_tokens_per_cycle.append(prop.num_fed + len(rows))
+                res.draft_tokens_per_cycle.append(fed + len(rows))
+            self._sync()
             res.total_s = time.perf_counter() - t0
         finally:
             self.runner.detach()
@@ -167,32 +226,40 @@ class SpecEngine:
     @torch.no_grad()
     def plain_generate(self, input_ids, max_new_tokens: int, temperature: float = 0.0, eos_token_ids=(),
                        generator=None) -> GenResult:
-        """Target-only decoding, one token per forward, with the same cache and forward code."""
+        """Target-only decoding, one token per forward, with the same cache and forward code.
+
+        The host reads token t only after it has queued the forward of token t + 1, so on a GPU the
+        read overlaps that forward instead of leaving the device idle; when token t ends the text, the
+        queued step is simply dropped (its cache entry is never committed).
+        """
         prompt = self._ids(input_ids)
         eos = set(int(e) for e in eos_token_ids)
         n = prompt.shape[1]
         res = GenResult(tokens=[])
         self._sync()
         t0 = time.perf_counter()
-        cache = self.runner.new_cache(n + max_new_tokens + 1)
-        logits, _ = self.runner.forward(cache, prompt, torch.arange(n, device=self.device)[None],
-                                        causal_mask(0, n, self.device), last_only=True, aux=False)
+        capacity = n + max_new_tokens + 1
+        cache = self.runner.new_cache(capacity)
+        pos = Positions(capacity, self.device)
+        logits, _ = self.runner.forward(cache, prompt, pos.at(0, n), pos.causal(0, n), last_only=True, aux=False)
         cache.advance(n)
-        res.tokens.append(sample_token(logits[-1], temperature, generator))
+        queued = [sample_token(logits[-1], temperature, generator, on_device=True)]  # device tokens not yet read
         self._sync()
         res.prefill_s = time.perf_counter() - t0
-        while not _finished(res.tokens, max_new_tokens, eos):
-            t1 = time.perf_counter()
-            big_n = cache.length
-            logits, _ = self.runner.forward(cache, self._ids(res.tokens[-1:]), torch.tensor([[big_n]], device=self.device),
-                                            causal_mask(big_n, 1, self.device), aux=False)
-            cache.advance(1)
-            res.tokens.append(sample_token(logits[-1], temperature, generator))
-            res.num_cycles += 1
-            res.accepted_per_cycle.append(0)
-            res.target_tokens_per_cycle.append(1)
-            self._sync()
-            res.verify_s += time.perf_counter() - t1
+        while queued:
+            if len(res.tokens) + len(queued) < max_new_tokens:
+                big_n = cache.length
+                logits, _ = self.runner.forward(cache, queued[-1].view(1, 1), pos.at(big_n, 1), pos.causal(big_n, 1),
+                                                aux=False)
+                cache.advance(1)
+                queued.append(sample_token(logits[-1], temperature, generator, on_device=True))
+            res.tokens.append(int(queued.pop(0)))
+            if res.tokens[-1] in eos or len(res.tokens) >= max_new_tokens:
+                break
+        res.num_cycles = len(res.tokens) - 1
+        res.accepted_per_cycle = [0] * res.num_cycles
+        res.target_tokens_per_cycle = [1] * res.num_cycles
+        self._sync()
         res.total_s = time.perf_counter() - t0
-        res.tokens = _cut(res.tokens, max_new_tokens, eos)
+        res.verify_s = res.total_s - res.prefill_s
         return res

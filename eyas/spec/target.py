@@ -53,14 +53,17 @@ class KVCache:
         self.length += num_tokens
 
     def keep(self, offsets: list[int]) -> None:
-        """Commit the entries at `length + offsets` (ascending) of the last forward, compacted."""
-        n = len(offsets)
-        if offsets != list(range(n)):  # a chain path is already in place
-            src = torch.tensor(offsets, device=self.keys.device) + self.length
-            dst = slice(self.length, self.length + n)
-            self.keys[:, :, :, dst] = self.keys[:, :, :, src]
-            self.values[:, :, :, dst] = self.values[:, :, :, src]
-        self.length += n
+        """Commit the entries at `length + offsets` (ascending) of the last forward, compacted.
+
+        Moved one entry at a time (a tree path is at most its depth long): slice copies need no index
+        tensor on the device, so no host-to-device copy; a chain path is already in place.
+        """
+        for i, off in enumerate(offsets):
+            if off != i:  # ascending offsets: the source lies at or after every destination written so far
+                src, dst = self.length + off, self.length + i
+                self.keys[:, :, :, dst] = self.keys[:, :, :, src]
+                self.values[:, :, :, dst] = self.values[:, :, :, src]
+        self.length += len(offsets)
 
 
 def cache_geometry(config) -> tuple[int, int, int]:
@@ -127,6 +130,27 @@ class TargetRunner:
             hidden = torch.cat([self._captured[k][0] for k in self.aux_layers], dim=-1)  # [T, A*H]
         self._captured.clear()
         return logits, hidden
+
+
+class Positions:
+    """Device buffers made once per generation, so that a cycle's position ids and causal masks are
+    views or one comparison kernel, never tensors built on the host and copied over (each such copy
+    waits for the device on CUDA)."""
+
+    def __init__(self, capacity: int, device):
+        self.ids = torch.arange(capacity, device=device)[None]  # [1, C]
+        self.all_true = torch.ones(1, 1, 1, capacity, dtype=torch.bool, device=device)
+
+    def at(self, start: int, num: int) -> torch.Tensor:
+        """Position ids start..start+num-1, [1, num] (a view)."""
+        return self.ids[:, start:start + num]
+
+    def causal(self, past: int, new: int) -> torch.Tensor:
+        """The same mask as causal_mask(past, new): a view for one new token, else one comparison."""
+        if new == 1:
+            return self.all_true[..., :past + 1]
+        cols = self.ids[0, :past + new]
+        return (cols[None, :] <= cols[past:, None])[None, None]
 
 
 def causal_mask(past: int, new: int, device) -> torch.Tensor:

@@ -35,19 +35,25 @@ def plan_fingerprint(shards: list[np.ndarray]) -> str:
     return sha256_json([s.tolist() for s in shards])[:16]
 
 
+def next_batch(rows: np.ndarray, lengths: np.ndarray, budget: int) -> int:
+    """How many of `rows`, from the first, the next forward pass takes: the longest run whose padded size
+    (count x longest) fits the budget; one row at least."""
+    count, longest = 0, 0
+    for row in rows:
+        longest_next = max(longest, int(lengths[row]))
+        if count and (count + 1) * longest_next > budget:
+            break
+        longest, count = longest_next, count + 1
+    return count
+
+
 def token_batches(rows: np.ndarray, lengths: np.ndarray, budget: int) -> list[np.ndarray]:
     """Consecutive runs of rows whose padded size (count x longest) fits the budget; one row at least."""
     batches, start = [], 0
     while start < len(rows):
-        end, longest = start, 0
-        while end < len(rows):
-            longest_next = max(longest, int(lengths[rows[end]]))
-            if end > start and (end - start + 1) * longest_next > budget:
-                break
-            longest = longest_next
-            end += 1
-        batches.append(rows[start:end])
-        start = end
+        count = next_batch(rows[start:], lengths, budget)
+        batches.append(rows[start:start + count])
+        start += count
     return batches
 
 

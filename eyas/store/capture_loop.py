@@ -1,10 +1,11 @@
 """The capture loop: prepared data -> the target's hidden states -> a packed, checksummed, resumable store.
 
 Reads top to bottom: open the store (new or resumed), plan shards, then for each shard of this rank
-run token-budgeted forward passes (an out-of-memory error splits the batch and retries), hand the
-shard to the writer thread, and finally merge the ranks' manifests. On CUDA the captured states are
-copied to pinned host memory on a separate stream, so the next forward pass overlaps the copy and
-the writes; on CPU the same structure runs with plain tensors.
+take a host buffer from the writer's bounded pool, run token-budgeted forward passes into it (an
+out-of-memory error lowers the budget and retries), hand it to the writer threads, and finally merge
+the ranks' manifests and write STORE/summary.json. On CUDA each pass's states are copied to the pinned
+buffer on a separate stream, so the copy overlaps the next forward pass and the writes overlap both;
+on CPU the same structure runs with plain memory.
 """
 
 from __future__ import annotations
@@ -19,18 +20,26 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from eyas.common import EyasError, format_bytes, print0, progress, sha256_file, warn
-from eyas.store.batching import auto_token_budget, plan_fingerprint, plan_shards, token_batches
-from eyas.store.codec import bytes_per_token, encode
-from eyas.store.manifest import HEAD_FILE, MANIFEST, RESUME_KEYS, SCHEMA_VERSION, committed_shards
+from eyas.common import EyasError, atomic_write_json, format_bytes, print0, progress, warn
+from eyas.store.batching import auto_token_budget, next_batch, plan_fingerprint, plan_shards
+from eyas.store.codec import bytes_per_token, encode, state_layout
+from eyas.store.manifest import HEAD_FILE, MANIFEST, RESUME_KEYS, SCHEMA_VERSION, SUMMARY, committed_shards
 from eyas.store.manifest import differing_keys, read_manifest, write_manifest
 from eyas.store.prepared import Prepared, load_prepared_arrays
-from eyas.store.writer import Piece, ShardJob, ShardWriter, write_shard_file
+from eyas.store.shardfile import write_shard_file
+from eyas.store.staging import ShardBuffer
+from eyas.store.writer import ShardJob, ShardWriter
 from eyas.target.capture import FeatureCapture
 
 
 class BatchRunner:
-    """One token-budgeted forward pass -> packed pieces on the host; splits and retries on OOM."""
+    """A shard's rows -> token-budgeted forward passes -> its states in a host buffer; on OOM, a smaller budget.
+
+    An out-of-memory error halves the token budget (until the failed pass's rows no longer fit in one
+    pass) and re-plans the rest of the shard from the failed pass on, for this and every later shard.
+    Budgets stay the first budget over a power of two, so a budget forced 4x too large ends at the one
+    that fits and forms exactly the batches a run with that budget forms: the store is bit-identical.
+    """
 
     def __init__(self, features: FeatureCapture, prepared: Prepared, dtype: str, budget: int,
                  inject_oom_tokens: int = 0, pad_id: int = 0):
@@ -38,63 +47,70 @@ class BatchRunner:
         self.budget, self.inject_oom_tokens, self.pad_id = budget, inject_oom_tokens, pad_id
         self.device = features.target.device
         self.copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
-        self.num_splits = 0
+        self.num_splits = 0  # forward passes that ran out of memory and were re-planned smaller
 
-    def run(self, rows: np.ndarray) -> list[Piece]:
-        try:
-            return [self._forward(rows)]
-        except torch.OutOfMemoryError as e:
-            reason = str(e).splitlines()[0][:120] if str(e) else "out of memory"
-        # retry outside the except block, so the failed pass's tensors (held by the traceback) are freed
-        padded = len(rows) * int(self.prepared.lengths[rows].max())
-        if len(rows) == 1:
+    def run_shard(self, rows: np.ndarray, buffer: ShardBuffer, on_pass=None) -> None:
+        lengths = self.prepared.lengths
+        start = 0
+        while start < len(rows):
+            batch = rows[start:start + next_batch(rows[start:], lengths, self.budget)]
+            try:
+                states = self._forward(batch)
+            except torch.OutOfMemoryError as e:
+                reason = str(e).splitlines()[0][:120] if str(e) else "out of memory"
+            else:
+                buffer.put(states, self.copy_stream)
+                del states
+                start += len(batch)
+                if on_pass is not None:
+                    on_pass(int(lengths[batch].sum()))
+                continue
+            # here, outside the except block, the failed pass's tensors (held by the traceback) are freed
+            self._shrink(rows[start:], batch, reason)
+
+    def _shrink(self, rest: np.ndarray, failed: np.ndarray, reason: str) -> None:
+        lengths = self.prepared.lengths
+        padded = len(failed) * int(lengths[failed].max())
+        if len(failed) == 1:
             raise EyasError(f"one sample of {padded} tokens does not fit in memory ({reason}); "
                             f"lower data.max_length or use a device with more memory")
         self.num_splits += 1
-        self.budget = max(1, min(self.budget, padded // 2))
-        warn(f"out of memory on a forward pass of {len(rows)} samples ({padded} padded tokens): {reason}; "
-             f"splitting it in two and retrying (token budget now {self.budget})")
+        while self.budget > 1 and next_batch(rest, lengths, self.budget) >= len(failed):
+            self.budget //= 2
+        warn(f"out of memory on a forward pass of {len(failed)} samples ({padded} padded tokens): {reason}; "
+             f"token budget now {self.budget}, retrying with {next_batch(rest, lengths, self.budget)} samples")
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
-        half = (len(rows) + 1) // 2
-        return self.run(rows[:half]) + self.run(rows[half:])
 
-    def _forward(self, rows: np.ndarray) -> Piece:
+    @torch.inference_mode()
+    def _forward(self, rows: np.ndarray) -> dict[str, torch.Tensor]:
         lengths = self.prepared.lengths[rows]
         batch, longest = len(rows), int(lengths.max())
         if self.inject_oom_tokens and batch * longest > self.inject_oom_tokens:
             raise torch.OutOfMemoryError(f"injected: {batch * longest} tokens > capture.inject_oom_tokens")
         ids = np.full((batch, longest), self.pad_id, dtype=np.int64)  # [B, L], right padding
-        mask = np.zeros((batch, longest), dtype=bool)  # [B, L]
+        mask = np.zeros((batch, longest), dtype=np.int64)  # [B, L]
         for b, row in enumerate(rows):
             ids[b, :lengths[b]] = self.prepared.input_ids(row)
-            mask[b, :lengths[b]] = True
-        ids_t = torch.from_numpy(ids).to(self.device, non_blocking=True)
-        mask_t = torch.from_numpy(mask).to(self.device, non_blocking=True)
-        aux, final = self.features(ids_t, mask_t.long())  # [B, L, A*H], [B, L, H]
-        aux, final = aux[mask_t], final[mask_t]  # [t, A*H], [t, H]: real tokens, samples in row order
+            mask[b, :lengths[b]] = 1
+        # flat positions of the real tokens, samples in row order: computed here, so that unpadding on the
+        # device needs no device-to-host sync (a boolean mask index would wait for the forward pass)
+        real = np.concatenate([b * longest + np.arange(n) for b, n in enumerate(lengths)])  # [t]
+        ids_t, mask_t, real_t = (self._to_device(a) for a in (ids, mask, real))
+        aux, final = self.features(ids_t, mask_t)  # [B, L, A*H], [B, L, H]
+        aux = aux.reshape(batch * longest, -1).index_select(0, real_t)  # [t, A*H]
+        final = final.reshape(batch * longest, -1).index_select(0, real_t)  # [t, H]
         aux_q, aux_s = encode(aux, self.dtype, self.features.num_aux)
         final_q, final_s = encode(final, self.dtype, 1)
-        return self._to_host(Piece(aux_q, final_q, aux_s, final_s))
+        states = {"aux_hidden": aux_q, "final_hidden": final_q}
+        if aux_s is not None:
+            states.update(aux_scale=aux_s, final_scale=final_s)
+        return states
 
-    def _to_host(self, piece: Piece) -> Piece:
-        if self.copy_stream is None:
-            return piece
-        stream = self.copy_stream
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        moved = []
-        with torch.cuda.stream(stream):
-            for t in (piece.aux, piece.final, piece.aux_scale, piece.final_scale):
-                if t is None:
-                    moved.append(None)
-                    continue
-                host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-                host.copy_(t, non_blocking=True)
-                t.record_stream(stream)  # keep the device memory alive until the copy is done
-                moved.append(host)
-            ready = torch.cuda.Event()
-            ready.record(stream)
-        return Piece(*moved, ready=ready)
+    def _to_device(self, array: np.ndarray) -> torch.Tensor:
+        """Through pinned memory on CUDA: a copy from pageable memory may wait for the device to be idle."""
+        t = torch.from_numpy(array)
+        return t.pin_memory().to(self.device, non_blocking=True) if self.copy_stream is not None else t.to(self.device)
 
 
 # ---------------------------------------------------------------- the store
@@ -162,9 +178,9 @@ def open_store(store: Path, fresh: dict, target) -> dict:
     head = {"embed_tokens.weight": target.embed_tokens.weight.detach().cpu().clone(),  # [V, H]
             "lm_head.weight": target.lm_head.weight.detach().cpu().clone()}  # [V, H]
     tmp = store / f".{HEAD_FILE}.tmp"
-    write_shard_file(tmp, head, {"target": json.dumps(target.identity)})
+    sha256 = write_shard_file(tmp, head, {"target": json.dumps(target.identity)})
     os.replace(tmp, store / HEAD_FILE)
-    fresh["target_head"] = {"file": HEAD_FILE, "sha256": sha256_file(store / HEAD_FILE)}
+    fresh["target_head"] = {"file": HEAD_FILE, "sha256": sha256}
     write_manifest(store, fresh)
     return fresh
 
@@ -270,24 +286,26 @@ def _capture(cfg, prepared: Prepared, store: Path, target, rank: int, world: int
     pad_id = target.tokenizer.pad_token_id or 0
     runner = BatchRunner(features, prepared, dtype, budget, cfg.capture.inject_oom_tokens, pad_id)
     per_token = bytes_per_token(dtype, features.num_aux, target.hidden_size)
-    writer = ShardWriter(store, manifest, rank=rank, world_size=world, bytes_per_token=per_token)
+    capacity = max((int(lengths[shards[i]].sum()) for i in todo), default=1)  # tokens of this rank's largest shard
+    writer = ShardWriter(store, manifest, state_layout(dtype, features.num_aux, target.hidden_size), capacity,
+                         pinned=target.device.type == "cuda", rank=rank, world_size=world, bytes_per_token=per_token,
+                         num_threads=getattr(cfg.capture, "writer_threads", 0))
     remaining = sum(int(lengths[shards[i]].sum()) for i in todo)
     print0(f"capture {target.name} -> {store}: layers {features.aux_layers} + final (post-norm), {dtype}, "
            f"{len(todo)} shard(s) to write on rank {rank} of {world}, token budget {budget} "
-           f"({'set' if cfg.capture.token_budget else 'from free memory, kept for resumes'})")
+           f"({'set' if cfg.capture.token_budget else 'from free memory, kept for resumes'}), "
+           f"{writer.num_threads} writer thread(s)")
     bar = progress(total=remaining, unit="tok", unit_scale=True, desc="capture", smoothing=0.1)
-    t0 = time.time()
+    t0 = time.perf_counter()
     num_samples = num_tokens = 0
     try:
         for index in todo:
             rows = shards[index]
-            job = ShardJob(index, rows, [prepared.sample_ids[r] for r in rows],
-                           [prepared.input_ids(r) for r in rows], [prepared.loss_mask(r) for r in rows])
-            for batch in token_batches(rows, lengths, runner.budget):
-                job.pieces += runner.run(batch)
-                bar.update(int(lengths[batch].sum()))
-            job.tokens_left = remaining
-            writer.submit(job)
+            buffer = writer.buffer()  # waits while every buffer is still being written: memory stays bounded
+            runner.run_shard(rows, buffer, on_pass=bar.update)
+            writer.submit(ShardJob(index, rows, [prepared.sample_ids[r] for r in rows],
+                                   [prepared.input_ids(r) for r in rows], [prepared.loss_mask(r) for r in rows],
+                                   buffer, tokens_left=remaining))
             remaining -= int(lengths[rows].sum())
             num_samples, num_tokens = num_samples + len(rows), num_tokens + int(lengths[rows].sum())
     except BaseException:
@@ -296,10 +314,13 @@ def _capture(cfg, prepared: Prepared, store: Path, target, rank: int, world: int
             writer.close()
         raise
     bar.close()
+    t_computed = time.perf_counter()
     writer.close()
-    wall = time.time() - t0
+    wall = time.perf_counter() - t0
 
-    num_samples, num_tokens, splits = _sum_over_ranks([num_samples, num_tokens, runner.num_splits], world)
+    totals = _sum_over_ranks([num_samples, num_tokens, runner.num_splits, writer.num_bytes, writer.busy_s,
+                              writer.wait_s, time.perf_counter() - t_computed], world)
+    num_samples, num_tokens, splits, num_bytes, busy_s, wait_s, drain_s = totals
     _barrier(world)
     if rank == 0:
         finish_store(store)
@@ -307,14 +328,25 @@ def _capture(cfg, prepared: Prepared, store: Path, target, rank: int, world: int
     final = read_manifest(store)
     summary = {
         "store": str(store), "complete": final["complete"], "dtype": dtype, "aux_layers": features.aux_layers,
-        "num_samples": int(num_samples), "num_tokens": int(num_tokens), "wall_s": round(wall, 3),
+        "wall_s": round(wall, 3), "samples": int(num_samples), "tokens": int(num_tokens), "bytes": int(num_bytes),
         "tokens_per_s": round(num_tokens / wall, 1) if wall > 0 else 0.0,
-        "store_samples": final["num_samples"], "store_tokens": final["num_tokens"], "store_bytes": final["num_bytes"],
         "bytes_per_token": round(final["num_bytes"] / max(1, final["num_tokens"]), 1),
-        "num_shards": len(final["shards"]), "token_budget": budget, "oom_splits": int(splits), "world_size": world,
+        "write_mb_per_s": round(num_bytes / wall / 1e6, 1) if wall > 0 else 0.0,
+        "num_samples": int(num_samples), "num_tokens": int(num_tokens),  # this run's, as samples and tokens
+        "store_samples": final["num_samples"], "store_tokens": final["num_tokens"], "store_bytes": final["num_bytes"],
+        "num_shards": len(final["shards"]), "resumed_shards": len(done), "token_budget": budget,
+        "final_token_budget": runner.budget, "oom_splits": int(splits), "world_size": world,
+        "writer_threads": writer.num_threads, "staging_buffers": writer.max_buffers,
+        "staging_alloc_s": round(writer.alloc_s, 3),  # before the timed loop, like loading the target
+        # summed over ranks: writer threads' busy time, the loop's waits for a free buffer (writes behind),
+        # and the time from the last forward pass to the last commit
+        "writer_busy_s": round(busy_s, 3), "writer_wait_s": round(wait_s, 3), "drain_s": round(drain_s, 3),
     }
-    print0(f"captured {summary['num_samples']:,} samples, {summary['num_tokens']:,} tokens in {wall:.1f} s "
-           f"({summary['tokens_per_s']:,.0f} tok/s, {splits:.0f} OOM split(s)); store {store}: "
+    if rank == 0 and (num_tokens > 0 or not (store / SUMMARY).is_file()):  # a no-op rerun keeps the real summary
+        atomic_write_json(store / SUMMARY, summary)
+    print0(f"captured {summary['samples']:,} samples, {summary['tokens']:,} tokens in {wall:.1f} s "
+           f"({summary['tokens_per_s']:,.0f} tok/s, {summary['write_mb_per_s']:,.1f} MB/s written, "
+           f"{splits:.0f} OOM split(s), waited {wait_s:.1f} s for the writers); store {store}: "
            f"{final['num_samples']:,} samples, {final['num_tokens']:,} tokens, {len(final['shards'])} shards, "
            f"{format_bytes(final['num_bytes'])} ({summary['bytes_per_token']:,} B/token), "
            f"{'complete' if final['complete'] else 'INCOMPLETE'}")

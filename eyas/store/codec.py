@@ -42,3 +42,11 @@ def bytes_per_token(dtype: str, num_aux: int, hidden: int) -> int:
     values = (num_aux + 1) * hidden * BYTES_PER_VALUE[dtype]
     scales = (num_aux + 1) * 4 if dtype == "fp8" else 0
     return values + scales + 4 + 1
+
+
+def state_layout(dtype: str, num_aux: int, hidden: int) -> dict[str, tuple[int, torch.dtype]]:
+    """The captured per-token tensors of a shard: name -> (width, storage dtype)."""
+    layout = {"aux_hidden": (num_aux * hidden, STORAGE_DTYPES[dtype]), "final_hidden": (hidden, STORAGE_DTYPES[dtype])}
+    if dtype == "fp8":
+        layout.update(aux_scale=(num_aux, torch.float32), final_scale=(1, torch.float32))
+    return layout

@@ -6,6 +6,7 @@ Layout of STORE/ (DESIGN.md "Contracts", docs/INTERNALS.md "Store"):
   shard-NNNNN.safetensors   packed samples: input_ids, loss_mask, aux_hidden, final_hidden, offsets, sample_index
                             (+ aux_scale, final_scale for fp8); metadata "eyas" is JSON with sample_ids, dtype, aux_layers
   target_head.safetensors   embed_tokens.weight and lm_head.weight of the target
+  summary.json              the last capture run's figures: wall_s, samples, tokens, tokens_per_s, bytes, ...
 
 A shard is committed when a manifest names it; files that no manifest names are leftovers of a killed
 run and are rewritten on resume.
@@ -21,6 +22,7 @@ from eyas.common import EyasError, atomic_write_json, read_json
 SCHEMA_VERSION = 1
 MANIFEST = "manifest.json"
 HEAD_FILE = "target_head.safetensors"
+SUMMARY = "summary.json"  # the last capture run's figures (wall_s, tokens_per_s, bytes_per_token, ...)
 FP8_MAX = 448.0  # largest finite float8_e4m3fn value
 # keys that must agree between a store on disk and a capture that resumes into it
 RESUME_KEYS = ("schema_version", "target", "aux_layers", "dtype", "shard_tokens", "prepared", "plan")

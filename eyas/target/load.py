@@ -128,18 +128,37 @@ def load_target(spec: str = "smollm2", *, device: str = "auto", dtype: str = "au
     return _load_hub(spec, dev, dt)
 
 
-def _load_hf_dir(path: Path, name: str, device, dtype) -> Target:
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return f"{type(e).__name__}: {text.splitlines()[0][:200]}" if text else type(e).__name__
+
+
+HF_DIR_HINT = "the target must be a Hugging Face causal LM with its config.json, weights and tokenizer files"
+GGUF_HINT = ("the GGUF must hold a causal LM of an architecture transformers can read from GGUF "
+             "(llama, mistral, qwen2, ...)")
+
+
+def _from_pretrained(path, what: str, dtype, hint: str = HF_DIR_HINT, **kwargs):
+    """(tokenizer, model) from a directory; a failure is one line naming `what` and the reason."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path, **kwargs)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kwargs)
+    except (OSError, ValueError, KeyError, TypeError, ImportError, AttributeError) as e:
+        # transformers reports a missing file, a bad config.json, an unknown model_type or a missing
+        # tokenizer backend with these types; the first line of its message says which
+        raise EyasError(f"cannot load {what} ({_first_line(e)}); {hint}") from None
+    return tokenizer, model
+
+
+def _load_hf_dir(path: Path, name: str, device, dtype) -> Target:
+    tokenizer, model = _from_pretrained(path, f"the target from {path}", dtype, attn_implementation="sdpa")
     return _finish(model, tokenizer, name, str(path), device, dtype)
 
 
 def _load_hub(repo_id: str, device, dtype) -> Target:
     """Download (or reuse the hub cache) and load; offline gives one line naming the fix."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     if repo_id.count("/") > 1 or " " in repo_id:
         raise EyasError(f"{repo_id!r} is not a local path and not a valid hub id (expected 'org/name')")
     try:
@@ -154,8 +173,8 @@ def _load_hub(repo_id: str, device, dtype) -> Target:
             f"without network, download it on another machine and pass its local directory as the target "
             f"(for example --target /models/{repo_id.split('/')[-1]})"
         ) from None
-    tokenizer = AutoTokenizer.from_pretrained(local)
-    model = AutoModelForCausalLM.from_pretrained(local, dtype=dtype, attn_implementation="sdpa")
+    tokenizer, model = _from_pretrained(local, f"hub model {repo_id!r} (downloaded to {local})", dtype,
+                                        attn_implementation="sdpa")
     return _finish(model, tokenizer, repo_id, local, device, dtype)
 
 
@@ -254,15 +273,14 @@ def converted_gguf_dir(gguf: Path) -> Path:
 
 def _build_entry(gguf: Path, entry: Path) -> None:
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     t0 = time.time()
     print0(f"converting {gguf.name} to a cached Hugging Face directory (once; ~30 s on 2 cores)")
     entry.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{entry.name}.", dir=entry.parent))
     try:
-        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        tokenizer, model = _from_pretrained(gguf.parent, f"GGUF file {gguf}", torch.float32, GGUF_HINT,
+                                            gguf_file=gguf.name)
         _save_dequantized(model, tmp)
         tokenizer.save_pretrained(tmp)
         files = {p.name: {"size": p.stat().st_size, "xxh3": _fast_digest(p)} for p in sorted(tmp.iterdir()) if p.is_file()}

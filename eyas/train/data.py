@@ -11,10 +11,18 @@ of samples, sorted by length inside a window (little padding) and packed greedil
 world_size-th batch of the same plan (the plan is truncated to a multiple of world_size so that every
 rank runs the same number of steps). A sample longer than `batch_tokens` is truncated to it.
 The data position is (epoch, index of the next batch in this rank's plan).
+
+Tailing a store that is still being captured (`TailBatcher`): epoch 0 is planned shard by shard as the
+capture commits them, in shard-index order; consecutive shards are grouped until a group holds
+`TAIL_GROUP_BATCHES` batches' worth of tokens (or is the last), and each group is packed and shuffled
+like a window above. The plan depends only on the shards' contents, never on when they were committed,
+so a resume replays it exactly. Under DDP a group's batch count is rounded up to a multiple of
+world_size by repeating some of its batches. Epochs 1.. are planned over the complete store as above.
 """
 
 from __future__ import annotations
 
+import math
 import random
 from dataclasses import dataclass
 from typing import Callable, Iterator
@@ -22,6 +30,53 @@ from typing import Callable, Iterator
 import torch
 
 SAMPLES_PER_WINDOW = 256
+TAIL_GROUP_BATCHES = 16
+
+
+def pack(order: list[int], lengths, batch_tokens: int) -> list[list[int]]:
+    """Batches of sample indices: windows of `order` sorted by length, packed so that n * longest <= budget."""
+    batches: list[list[int]] = []
+    for w in range(0, len(order), SAMPLES_PER_WINDOW):
+        window = sorted(order[w:w + SAMPLES_PER_WINDOW], key=lambda i: lengths[i])
+        current: list[int] = []
+        for i in window:
+            longest = min(batch_tokens, lengths[i])  # the window is sorted ascending
+            if current and (len(current) + 1) * longest > batch_tokens:
+                batches.append(current)
+                current = []
+            current.append(i)
+        if current:
+            batches.append(current)
+    return batches
+
+
+def collate(fetch, indices: list[int], batch_tokens: int, feature_fn=None, device="cpu") -> dict:
+    """The right-padded batch dict of the samples `fetch(i)` for i in indices (features computed if absent)."""
+    samples = [fetch(i) for i in indices]
+    lengths = [min(len(s["input_ids"]), batch_tokens) for s in samples]
+    b, t = len(samples), max(lengths)
+    batch = {
+        "input_ids": torch.zeros(b, t, dtype=torch.long),
+        "attention_mask": torch.zeros(b, t, dtype=torch.bool),
+        "loss_mask": torch.zeros(b, t, dtype=torch.float32),
+    }
+    has_features = "aux_hidden" in samples[0]
+    if has_features:
+        batch["aux_hidden"] = torch.zeros(b, t, samples[0]["aux_hidden"].shape[-1], dtype=samples[0]["aux_hidden"].dtype)
+        batch["final_hidden"] = torch.zeros(b, t, samples[0]["final_hidden"].shape[-1], dtype=samples[0]["final_hidden"].dtype)
+    for row, (s, n) in enumerate(zip(samples, lengths)):
+        batch["input_ids"][row, :n] = torch.as_tensor(s["input_ids"][:n], dtype=torch.long)
+        batch["attention_mask"][row, :n] = True
+        batch["loss_mask"][row, :n] = torch.as_tensor(s["loss_mask"][:n]).float()
+        if has_features:
+            batch["aux_hidden"][row, :n] = torch.as_tensor(s["aux_hidden"][:n])
+            batch["final_hidden"][row, :n] = torch.as_tensor(s["final_hidden"][:n])
+    batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+    if not has_features:
+        assert feature_fn is not None, "samples carry no features and no feature_fn was given"
+        aux, final = feature_fn(batch["input_ids"], batch["attention_mask"])
+        batch["aux_hidden"], batch["final_hidden"] = aux.clone(), final.clone()  # out of inference mode
+    return batch
 
 
 @dataclass
@@ -43,18 +98,7 @@ class Batcher:
         rng = random.Random(self.seed * 1_000_003 + epoch)
         order = list(range(len(self.lengths)))
         rng.shuffle(order)
-        batches: list[list[int]] = []
-        for w in range(0, len(order), SAMPLES_PER_WINDOW):
-            window = sorted(order[w:w + SAMPLES_PER_WINDOW], key=lambda i: self.lengths[i])
-            current: list[int] = []
-            for i in window:
-                longest = min(self.batch_tokens, self.lengths[i])  # the window is sorted ascending
-                if current and (len(current) + 1) * longest > self.batch_tokens:
-                    batches.append(current)
-                    current = []
-                current.append(i)
-            if current:
-                batches.append(current)
+        batches = pack(order, self.lengths, self.batch_tokens)
         rng.shuffle(batches)
         usable = len(batches) - len(batches) % self.world_size
         if usable == 0:
@@ -62,32 +106,11 @@ class Batcher:
                              f"lower train.batch_tokens or add data")
         return batches[:usable][self.rank::self.world_size]
 
+    def batches_per_epoch(self) -> int:
+        return len(self.plan(0))
+
     def collate(self, indices: list[int], device="cpu") -> dict:
-        samples = [self.fetch(i) for i in indices]
-        lengths = [min(len(s["input_ids"]), self.batch_tokens) for s in samples]
-        b, t = len(samples), max(lengths)
-        batch = {
-            "input_ids": torch.zeros(b, t, dtype=torch.long),
-            "attention_mask": torch.zeros(b, t, dtype=torch.bool),
-            "loss_mask": torch.zeros(b, t, dtype=torch.float32),
-        }
-        has_features = "aux_hidden" in samples[0]
-        if has_features:
-            batch["aux_hidden"] = torch.zeros(b, t, samples[0]["aux_hidden"].shape[-1], dtype=samples[0]["aux_hidden"].dtype)
-            batch["final_hidden"] = torch.zeros(b, t, samples[0]["final_hidden"].shape[-1], dtype=samples[0]["final_hidden"].dtype)
-        for row, (s, n) in enumerate(zip(samples, lengths)):
-            batch["input_ids"][row, :n] = torch.as_tensor(s["input_ids"][:n], dtype=torch.long)
-            batch["attention_mask"][row, :n] = True
-            batch["loss_mask"][row, :n] = torch.as_tensor(s["loss_mask"][:n]).float()
-            if has_features:
-                batch["aux_hidden"][row, :n] = torch.as_tensor(s["aux_hidden"][:n])
-                batch["final_hidden"][row, :n] = torch.as_tensor(s["final_hidden"][:n])
-        batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
-        if not has_features:
-            assert self.feature_fn is not None, "samples carry no features and no feature_fn was given"
-            aux, final = self.feature_fn(batch["input_ids"], batch["attention_mask"])
-            batch["aux_hidden"], batch["final_hidden"] = aux.clone(), final.clone()  # out of inference mode
-        return batch
+        return collate(self.fetch, indices, self.batch_tokens, self.feature_fn, device)
 
     def stream(self, epoch: int, start: int, device="cpu") -> Iterator[tuple[int, int, dict]]:
         """Endless (epoch, next_index, batch) from a data position; epochs roll over."""
@@ -96,3 +119,55 @@ class Batcher:
             for i in range(start, len(plan)):
                 yield epoch, i + 1, self.collate(plan[i], device)
             epoch, start = epoch + 1, 0
+
+
+@dataclass
+class TailBatcher:
+    """Batches from a store that is still being written (see the module docstring).
+
+    `store` is a GrowingStore (eyas/train/source.py): `num_shards`, `planned_tokens`, `wait_shard(i)` ->
+    the range of global sample indices of shard i (blocks until it is committed), `lengths` (so far) and
+    `[g]` -> sample.
+    """
+
+    store: object
+    batch_tokens: int
+    seed: int = 0
+    rank: int = 0
+    world_size: int = 1
+    feature_fn: Callable | None = None
+
+    def batches_per_epoch(self) -> int:
+        """An estimate made before the store is complete: planned tokens / batch_tokens, per rank."""
+        return max(1, math.ceil(self.store.planned_tokens / self.batch_tokens / self.world_size))
+
+    def first_epoch(self) -> Iterator[list[int]]:
+        """This rank's batches of epoch 0, group by group, waiting for shards as needed."""
+        pending: list[int] = []
+        group = 0
+        for i in range(self.store.num_shards):
+            pending += list(self.store.wait_shard(i))
+            tokens = sum(min(self.batch_tokens, self.store.lengths[g]) for g in pending)
+            if tokens < TAIL_GROUP_BATCHES * self.batch_tokens and i < self.store.num_shards - 1:
+                continue
+            rng = random.Random(f"tail {self.seed} {group}")
+            order = list(pending)
+            rng.shuffle(order)
+            batches = pack(order, self.store.lengths, self.batch_tokens)
+            rng.shuffle(batches)
+            extra = -len(batches) % self.world_size  # every rank must run the same number of steps
+            batches += [batches[j % len(batches)] for j in range(extra)]
+            yield from batches[self.rank::self.world_size]
+            pending, group = [], group + 1
+
+    def later_epochs(self) -> Batcher:
+        return Batcher(list(self.store.lengths), self.store.__getitem__, self.batch_tokens, self.seed,
+                       self.rank, self.world_size, self.feature_fn)
+
+    def stream(self, epoch: int, start: int, device="cpu") -> Iterator[tuple[int, int, dict]]:
+        if epoch == 0:
+            for i, indices in enumerate(self.first_epoch()):
+                if i >= start:
+                    yield 0, i + 1, collate(self.store.__getitem__, indices, self.batch_tokens, self.feature_fn, device)
+            epoch, start = 1, 0
+        yield from self.later_epochs().stream(epoch, start, device)

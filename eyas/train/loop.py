@@ -22,19 +22,24 @@ from eyas.train import checkpoint as ckpt
 from eyas.train import dist
 from eyas.train.metrics import MetricsLogger, peak_memory_gib
 from eyas.train.source import TrainSource
-from eyas.train.ttt import TTTResult, simulated_tau, ttt_forward
+from eyas.train.ttt import TTTResult, draft_step, simulated_tau, ttt_forward
 
 
 class TTTModule(nn.Module):
     """The draft plus its TTT loss as one module, so DDP/FSDP see one forward per micro-batch."""
 
-    def __init__(self, draft: Eagle3Draft, ttt: int, loss_decay: float, features: str):
+    def __init__(self, draft: Eagle3Draft, ttt: int, loss_decay: float, features: str, *,
+                 impl: str = "fast", attention: str = "dense", compile: bool = False):
         super().__init__()
         self.draft = draft
         self.ttt, self.loss_decay, self.features = ttt, loss_decay, features
+        self.impl, self.attention = impl, attention
+        # compile the per-step layer function, not the module: checkpoints keep the plain draft's keys
+        self.step_fn = torch.compile(draft_step) if compile else None
 
     def forward(self, batch: dict, lm_head_weight: torch.Tensor) -> TTTResult:
-        return ttt_forward(self.draft, batch, lm_head_weight, self.ttt, self.loss_decay, self.features)
+        return ttt_forward(self.draft, batch, lm_head_weight, self.ttt, self.loss_decay, self.features,
+                           impl=self.impl, attention=self.attention, step_fn=self.step_fn)
 
 
 def lr_lambda(total_steps: int, warmup_steps: int, min_lr_ratio: float):
@@ -65,7 +70,9 @@ def build_draft(source: TrainSource, features: str) -> Eagle3Draft:
 def draft_meta(draft: Eagle3Draft, source: TrainSource, cfg: RunConfig) -> dict:
     aux = source.aux_layers[-1:] if cfg.train.features == "last" else source.aux_layers
     return {"draft_config": draft.cfg.to_dict(), "aux_layers": list(aux), "features": cfg.train.features,
-            "target": source.target, "target_spec": source.target_spec, "store": source.store, "ttt": cfg.train.ttt}
+            "target": source.target, "target_spec": source.target_spec, "store": source.store, "ttt": cfg.train.ttt,
+            "target_num_layers": source.num_layers,
+            "target_architectures": source.target_config.get("architectures")}
 
 
 def train(cfg: RunConfig, out_dir: str | Path, source: TrainSource, *, resume: bool = False,
@@ -89,11 +96,12 @@ def _train(cfg, tc, run_dir: Path, source: TrainSource, resume: bool, info: dist
            f"(H {draft.cfg.hidden_size}, Vd {draft.cfg.draft_vocab_size}, fc {draft.cfg.num_aux_layers}*H -> H, "
            f"features {tc.features}, TTT {tc.ttt})")
     batcher = source.batcher(tc.batch_tokens, tc.seed, info.rank, info.world_size)
-    batches_per_epoch = len(batcher.plan(0))
+    batches_per_epoch = batcher.batches_per_epoch()  # an estimate while tailing a store being captured
     total_steps = tc.steps or max(1, math.ceil(tc.epochs * batches_per_epoch / tc.grad_accum))
     meta = draft_meta(draft, source, cfg)
 
-    state = {"step": 0, "epoch": 0, "batch_index": 0, "tokens": 0, "elapsed_s": 0.0, "last_metrics": None}
+    state = {"step": 0, "epoch": 0, "batch_index": 0, "tokens": 0, "elapsed_s": 0.0, "last_metrics": None,
+             "total_steps": total_steps}
     resumed = ckpt.latest_step_dir(run_dir) if resume else None
     loaded = ckpt.load_checkpoint(resumed) if resumed else None
     if loaded:
@@ -105,11 +113,16 @@ def _train(cfg, tc, run_dir: Path, source: TrainSource, resume: bool, info: dist
         missing, unexpected = draft.load_state_dict(loaded["model"], strict=False)
         assert missing == ["embed_tokens.weight"] and not unexpected, (missing, unexpected)
         state.update(loaded["trainer_state"])
+        if not tc.steps and state.get("total_steps"):  # keep the schedule of the run we resume
+            total_steps = state["total_steps"]
+        state["total_steps"] = total_steps
         print0(f"resuming from {resumed} (step {state['step']}, epoch {state['epoch']}, batch {state['batch_index']})")
 
     draft.to(info.device)
     lm_head_weight = source.lm_head_weight.to(info.device)
-    model = dist.wrap(TTTModule(draft, tc.ttt, tc.loss_decay, tc.features), info, tc.fsdp)
+    compile_step = tc.compile and info.device.type == "cuda"  # inductor on CPU costs more than it saves here
+    model = dist.wrap(TTTModule(draft, tc.ttt, tc.loss_decay, tc.features, attention=tc.attention,
+                                compile=compile_step), info, tc.fsdp)
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=tc.lr, betas=(0.9, 0.95), weight_decay=tc.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(total_steps, tc.warmup_steps, tc.min_lr_ratio))
@@ -166,16 +179,19 @@ def _train(cfg, tc, run_dir: Path, source: TrainSource, resume: bool, info: dist
     # ---- finish
     curves = logger.close(tc.ttt)
     last = state["last_metrics"] or {}
+    wall = state["elapsed_s"]  # training time of all sessions of this run (resumes add up)
     summary = {
+        **{k: v for k, v in last.items() if k not in ("step", "tokens_per_s", "elapsed_s")},  # last window's metrics
         "run_dir": str(run_dir), "steps": total_steps, "epochs": state["epoch"], "tokens": state["tokens"],
-        "elapsed_s": round(state["elapsed_s"], 2), "checkpoint": str(run_dir / "latest"),
-        "curves": str(curves) if curves else None,
-        "trainable_params": draft.num_trainable_params(), **{k: v for k, v in last.items() if k != "step"},
+        "wall_s": round(wall, 3), "tokens_per_s": round(state["tokens"] / wall, 1) if wall > 0 else 0.0,
+        "last_window_tokens_per_s": last.get("tokens_per_s"), "world_size": info.world_size,
+        "checkpoint": str(run_dir / "latest"), "curves": str(curves) if curves else None,
+        "trainable_params": draft.num_trainable_params(),
     }
     if info.rank == 0:
         ckpt.write_summary(run_dir, summary)
         accs = " ".join(f"{last.get(f'acc_{k}', 0):.2f}" for k in range(tc.ttt))
-        print0(f"trained {total_steps} steps in {summary['elapsed_s']:.0f} s; final loss {last.get('loss', float('nan')):.3f}, "
+        print0(f"trained {total_steps} steps in {summary['wall_s']:.0f} s ({summary['tokens_per_s']:,.0f} tok/s); final loss {last.get('loss', float('nan')):.3f}, "
                f"acc_0..{tc.ttt - 1} {accs}, simulated tau {last.get('tau_sim', float('nan')):.2f}; "
                f"checkpoint {run_dir / 'latest'}")
     return summary

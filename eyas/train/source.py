@@ -9,6 +9,8 @@ eyas.target.
 
 from __future__ import annotations
 
+import bisect
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -16,7 +18,7 @@ from typing import Callable
 import torch
 
 from eyas.common import EyasError, warn
-from eyas.train.data import Batcher
+from eyas.train.data import Batcher, TailBatcher
 
 
 @dataclass
@@ -33,10 +35,73 @@ class TrainSource:
     feature_fn: Callable | None = None
     store: str | None = None
     target_spec: str | None = None
+    num_layers: int | None = None  # the target's decoder layers (exporters need it); None = from target_config
+    tail: "GrowingStore | None" = None  # set when training consumes a store while it is being captured
     extra: dict = field(default_factory=dict)
 
-    def batcher(self, batch_tokens: int, seed: int, rank: int = 0, world_size: int = 1) -> Batcher:
+    def __post_init__(self):
+        if self.num_layers is None and self.target_config.get("num_hidden_layers"):
+            self.num_layers = int(self.target_config["num_hidden_layers"])
+
+    def batcher(self, batch_tokens: int, seed: int, rank: int = 0, world_size: int = 1) -> Batcher | TailBatcher:
+        if self.tail is not None:
+            return TailBatcher(self.tail, batch_tokens, seed, rank, world_size, self.feature_fn)
         return Batcher(self.lengths, self.samples.__getitem__, batch_tokens, seed, rank, world_size, self.feature_fn)
+
+
+class GrowingStore:
+    """The samples of a store still being captured, numbered in shard-index order (stable as it grows).
+
+    `wait_shard(i)` blocks until shard i is committed (polling the manifest through the reader) and
+    returns the global indices of its samples; shards are taken strictly in index order, so numbering
+    and the training plan do not depend on the order in which capture ranks commit them.
+    """
+
+    def __init__(self, reader, poll_s: float = 2.0, timeout_s: float | None = 3600.0):
+        self.reader = reader
+        plan = reader.manifest.get("plan") or {}
+        self.num_shards = int(plan.get("num_shards", len(reader.shards)))
+        self.planned_tokens = int(plan.get("num_tokens", reader.manifest.get("num_tokens", 0)))
+        self.poll_s, self.timeout_s = poll_s, timeout_s
+        self.starts: list[int] = []  # first global index of shard i, for the shards taken so far
+        self.positions: list[int] = []  # position of shard i in reader.shards
+        self.lengths: list[int] = []  # tokens per global sample
+
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+    def _position(self, index: int) -> int | None:
+        return next((pos for pos, rec in enumerate(self.reader.shards) if rec["index"] == index), None)
+
+    def wait_shard(self, index: int) -> range:
+        from eyas.common import print0
+
+        assert index == len(self.starts), f"shards are taken in order; expected {len(self.starts)}, got {index}"
+        last_progress, told = time.time(), False
+        while (pos := self._position(index)) is None:
+            if self.reader.complete:
+                raise EyasError(f"{self.reader.path} is complete but has no shard {index} of {self.num_shards}; "
+                                f"run `eyas verify {self.reader.path}`")
+            if self.timeout_s is not None and time.time() - last_progress > self.timeout_s:
+                raise EyasError(f"no shard {index} in {self.reader.path} after {self.timeout_s:.0f} s and the capture "
+                                f"is not complete; is `eyas capture` still running? rerun it to resume")
+            if not told:
+                print0(f"waiting for shard {index + 1}/{self.num_shards} of {self.reader.path} ...")
+                told = True
+            time.sleep(self.poll_s)
+            if self.reader.refresh():
+                last_progress = time.time()
+        offsets = self.reader._shard(pos).offsets  # [n+1]
+        self.starts.append(len(self.lengths))
+        self.positions.append(pos)
+        self.lengths += (offsets[1:] - offsets[:-1]).tolist()
+        return range(self.starts[-1], len(self.lengths))
+
+    def __getitem__(self, g: int) -> dict:
+        if not 0 <= g < len(self.lengths):
+            raise IndexError(f"sample {g} is not in a shard taken so far ({len(self.lengths)} samples)")
+        i = bisect.bisect_right(self.starts, g) - 1
+        return self.reader.read(self.positions[i], g - self.starts[i])
 
 
 def load_vocab_file(path: str | Path) -> tuple[torch.Tensor, torch.Tensor]:
@@ -69,8 +134,12 @@ def store_lengths(reader) -> list[int]:
     return lengths
 
 
-def store_source(store: str | Path, expect: dict | None = None, vocab: str | Path | None = None) -> TrainSource:
-    """A TrainSource over a store; `expect` (manifest keys) makes a mismatching store an error."""
+def store_source(store: str | Path, expect: dict | None = None, vocab: str | Path | None = None, *,
+                 tail: bool = False, poll_s: float = 2.0, timeout_s: float | None = 3600.0) -> TrainSource:
+    """A TrainSource over a store; `expect` (manifest keys) makes a mismatching store an error.
+
+    With `tail`, the store may still be being captured: training takes its shards as they are committed.
+    """
     from safetensors.torch import load_file
 
     from eyas.store import StoreReader
@@ -96,10 +165,12 @@ def store_source(store: str | Path, expect: dict | None = None, vocab: str | Pat
     else:
         warn(f"no draft vocabulary found for {store} (pass --vocab PREPARED/vocab.safetensors); "
              f"using the full target vocabulary ({manifest['vocab_size']})")
-    lengths = store_lengths(reader)
+    growing = GrowingStore(reader, poll_s, timeout_s) if tail else None
+    lengths = [] if tail else store_lengths(reader)
     return TrainSource(
         samples=reader, lengths=lengths, embed_weight=embed, lm_head_weight=lm_head,
         target_config=manifest.get("target_config") or {}, target=manifest.get("target"),
         aux_layers=list(manifest["aux_layers"]), d2t=d2t, t2d=t2d, store=str(store),
-        target_spec=(manifest.get("target") or {}).get("name"),
+        target_spec=(manifest.get("target") or {}).get("name"), num_layers=manifest.get("num_layers"),
+        tail=growing,
     )

@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from eyas.draft import Eagle3Draft, rope_cos_sin
+from eyas.train.kernels import dense_attention, flex_attention_step, linear_soft_ce, ttt_block_mask
 
 
 def shift_left(x: torch.Tensor, n: int) -> torch.Tensor:
@@ -69,8 +70,8 @@ def target_view(final_hidden, need, lm_head_weight, draft_target_ids, chunk: int
     return TargetView(torch.cat(probs), torch.cat(argmax), row_of)
 
 
-def ttt_attention(q, k0, v0, diag_k, diag_v, causal, scale):
-    """q [B, nh, T, d]; step-0 k0/v0 [B, nkv, T, d]; diag_k/diag_v: lists of [B, nkv, T, d] -> [B, T, nh*d]."""
+def reference_attention(q, k0, v0, diag_k, diag_v, causal, scale):
+    """The plain TTT attention: q [B, nh, T, d]; k0/v0 [B, nkv, T, d]; diag_k/diag_v lists -> [B, T, nh*d]."""
     b, nh, t, d = q.shape
     nkv = k0.shape[1]
     qg = q.view(b, nkv, nh // nkv, t, d)  # query head h uses kv head h // (nh // nkv)
@@ -84,25 +85,84 @@ def ttt_attention(q, k0, v0, diag_k, diag_v, causal, scale):
     return out.reshape(b, nh, t, d).transpose(1, 2).reshape(b, t, nh * d)
 
 
+def draft_step(draft: Eagle3Draft, h, ids_k, cos, sin, k0, v0, diag_k: list, diag_v: list, attention: str,
+               block_mask=None):
+    """One unrolled step of the draft layer over all anchors -> (pre-norm output [B, T, H], new k, new v).
+
+    `k0`/`v0` are None at step 0 (the step's own keys are then the causal step-0 keys). A plain function of
+    the draft so that it can be torch.compile'd from outside (TTTModule(compile=True)).
+    """
+    layer = draft.layers[0]
+    attn = layer.self_attn
+    embeds = draft.embed_tokens(ids_k).to(h.dtype)  # [B, T, H]
+    q, kk, vv = attn.qkv(layer.attn_input(embeds, h), cos, sin)  # q [B, nh, T, d]; kk, vv [B, nkv, T, d]
+    if k0 is None:
+        k0, v0 = kk, vv
+    else:
+        diag_k, diag_v = [*diag_k, kk], [*diag_v, vv]
+    scale = 1.0 / math.sqrt(draft.cfg.head_dim)
+    if attention == "reference":
+        t = q.shape[2]
+        causal = torch.ones(t, t, dtype=torch.bool, device=q.device).tril()
+        out = reference_attention(q, k0, v0, diag_k, diag_v, causal, scale)
+    elif attention == "flex":
+        out = flex_attention_step(q, k0, v0, diag_k, diag_v, scale, block_mask)
+    else:
+        out = dense_attention(q, k0, v0, diag_k, diag_v, scale)
+    return layer.finish(h, attn.o_proj(out)), kk, vv
+
+
 @dataclass
 class TTTResult:
+    """The differentiable loss plus per-step statistics, kept on the device until first read (one sync).
+
+    A dataclass on purpose: FSDP2 finds the output tensors of a module inside dataclasses (not inside
+    plain objects) to hook the backward that reduce-scatters the gradients.
+    """
+
     loss: torch.Tensor  # scalar: sum_k decay**k * loss_k (differentiable)
-    loss_k: list[float]  # per-step mean soft cross-entropy
-    correct_k: list[int]  # per-step count of draft argmax == target argmax
-    count_k: list[int]  # per-step count of positions in the loss
-    logits_k: list[torch.Tensor] | None = None  # per-step [B, T, Vd], only with return_logits
+    stats: torch.Tensor  # [3, K] float64: mean loss, correct, count per step
+    logits_k: list | None = None  # per-step [B, T, Vd], only with return_logits
+    _lists: list | None = None
+
+    def _read(self):
+        if self._lists is None:
+            self._lists = self.stats.tolist()
+        return self._lists
+
+    @property
+    def loss_k(self) -> list[float]:  # per-step mean soft cross-entropy
+        return self._read()[0]
+
+    @property
+    def correct_k(self) -> list[int]:  # per-step count of draft argmax == target argmax
+        return [int(x) for x in self._read()[1]]
+
+    @property
+    def count_k(self) -> list[int]:  # per-step count of positions in the loss
+        return [int(x) for x in self._read()[2]]
+
+
+ATTENTION_IMPLS = ("dense", "flex", "reference")
 
 
 def ttt_forward(draft: Eagle3Draft, batch: dict, lm_head_weight: torch.Tensor, ttt: int,
-                loss_decay: float = 0.8, features: str = "fused", return_logits: bool = False) -> TTTResult:
+                loss_decay: float = 0.8, features: str = "fused", return_logits: bool = False,
+                impl: str = "fast", attention: str = "dense", step_fn=None) -> TTTResult:
     """The unrolled TTT loss of one batch (see the module docstring for the index arithmetic).
 
     batch: input_ids [B, T] int64, attention_mask [B, T] bool, loss_mask [B, T], aux_hidden [B, T, A*H],
     final_hidden [B, T, H]. `features="last"` keeps only the last aux state (EAGLE-2-style baseline).
+    `impl="reference"` is the plain computation (reference attention, per-step fp32 logits and
+    F.cross_entropy); `impl="fast"` uses `attention` ("dense" or "flex", eyas/train/kernels.py), the fused
+    lm_head + soft cross-entropy, and few host syncs. `step_fn` replaces `draft_step` (a compiled one).
     """
+    if impl not in ("fast", "reference") or attention not in ATTENTION_IMPLS:
+        raise ValueError(f"impl={impl!r} / attention={attention!r}: expected fast|reference / {ATTENTION_IMPLS}")
+    if impl == "reference":
+        attention = "reference"
+    step_fn = step_fn or draft_step
     cfg = draft.cfg
-    layer = draft.layers[0]
-    attn = layer.self_attn
     ids = batch["input_ids"]
     b, t = ids.shape
     aux = batch["aux_hidden"]
@@ -117,46 +177,48 @@ def ttt_forward(draft: Eagle3Draft, batch: dict, lm_head_weight: torch.Tensor, t
     draft_target_ids = torch.arange(cfg.draft_vocab_size, device=ids.device) + draft.d2t
     target = target_view(batch["final_hidden"], need, lm_head_weight, draft_target_ids)
 
+    # anchors of every step at once: step k at anchor t predicts token t + 2 + k (two host syncs in all)
+    valid = torch.stack([shift_left(counted, 2 + k).reshape(-1) for k in range(ttt)])  # [K, B*T]
+    counts = valid.sum(1).tolist()
+    anchors_k = valid.nonzero()[:, 1].split(counts)  # K tensors [N_k] of flat positions
+
     pos = torch.arange(t, device=ids.device).expand(b, t)  # [B, T]
-    flat_pos = torch.arange(b * t, device=ids.device)
-    causal = torch.ones(t, t, dtype=torch.bool, device=ids.device).tril()
-    scale = 1.0 / math.sqrt(cfg.head_dim)
     k0 = v0 = None
     diag_k, diag_v = [], []
     loss = h.new_zeros((), dtype=torch.float32)
-    result = TTTResult(loss, [], [], [], [] if return_logits else None)
+    stats = torch.zeros(3, ttt, dtype=torch.float64, device=ids.device)
+    logits_k = [] if return_logits else None
     for k in range(ttt):
-        embeds = draft.embed_tokens(shift_left(ids, 1 + k)).to(h.dtype)  # [B, T, H]
         cos, sin = rope_cos_sin(cfg, pos + k, h.dtype)
-        q, kk, vv = attn.qkv(layer.attn_input(embeds, h), cos, sin)  # q [B, nh, T, d]; kk, vv [B, nkv, T, d]
+        mask = ttt_block_mask(t, k, ids.device) if attention == "flex" else None
+        h, kk, vv = step_fn(draft, h, shift_left(ids, 1 + k), cos, sin, k0, v0, diag_k, diag_v, attention, mask)
         if k == 0:
             k0, v0 = kk, vv
         else:
             diag_k.append(kk)
             diag_v.append(vv)
-        h = layer.finish(h, attn.o_proj(ttt_attention(q, k0, v0, diag_k, diag_v, causal, scale)))  # [B, T, H]
 
-        valid = shift_left(counted, 2 + k).reshape(-1)  # [B*T]: anchor t predicts token t + 2 + k
-        anchors = flat_pos[valid]  # [N_k]
+        anchors = anchors_k[k]
         rows = target.row_of[anchors + 1 + k]
         flat_h = h.reshape(b * t, -1)
+        n = counts[k]
         if return_logits:
-            all_logits = draft.lm_head(draft.norm(flat_h))  # [B*T, Vd]
-            result.logits_k.append(all_logits.view(b, t, -1))
-            logits = all_logits[anchors]
-        else:
-            logits = draft.lm_head(draft.norm(flat_h[anchors]))  # [N_k, Vd]
-        n = len(anchors)
+            logits_k.append(draft.lm_head(draft.norm(flat_h)).view(b, t, -1))  # [B, T, Vd]
         # soft cross-entropy = forward KL to the target distribution up to a constant
-        loss_k = F.cross_entropy(logits.float(), target.probs[rows], reduction="sum") / max(n, 1)
+        if impl == "reference":
+            logits = draft.lm_head(draft.norm(flat_h[anchors]))  # [N_k, Vd]
+            loss_sum = F.cross_entropy(logits.float(), target.probs[rows], reduction="sum")
+            predicted = logits.detach().argmax(-1)
+        else:
+            loss_sum, predicted = linear_soft_ce(draft.norm(flat_h[anchors]), draft.lm_head.weight, target.probs[rows])
+        loss_k = loss_sum / max(n, 1)
         loss = loss + (loss_decay ** k) * loss_k
         with torch.no_grad():
-            predicted = draft_target_ids[logits.argmax(-1)]  # draft argmax as target ids
-            result.correct_k.append(int((predicted == target.argmax[rows]).sum()))
-        result.loss_k.append(float(loss_k.detach()))
-        result.count_k.append(n)
-    result.loss = loss
-    return result
+            hits = draft_target_ids[predicted] == target.argmax[rows]  # draft argmax as target ids
+            stats[0, k] = loss_k.detach()
+            stats[1, k] = hits.sum()
+            stats[2, k] = n
+    return TTTResult(loss, stats, logits_k)
 
 
 def simulated_tau(acc_k: list[float]) -> float:

@@ -6,6 +6,7 @@ import sys
 
 import pyarrow as pa
 import pyarrow.parquet as pq
+import pytest
 import torch
 
 from eyas.cli import main as cli_main
@@ -143,3 +144,102 @@ def test_builtin_corpus_with_local_regeneration(tmp_path):
     assert s["regeneration"]["num_responses"] == 12 and s["regeneration"]["mode"] == "local"
     results = [json.loads(line) for line in (out / s["regeneration"]["results"]).read_text().splitlines()]
     assert sorted(r["id"] for r in results) == sorted(load_prepared(out)["sample_id"])
+
+
+def test_summary_json_reports_the_stage(tmp_path):
+    corpus = tmp_path / "corpus.jsonl"
+    write_corpus(corpus)
+    out = tmp_path / "out"
+    assert cli_main(["prepare", "--config", "tiny", "--data", str(corpus), "--out", str(out),
+                     "--max-length", "512"]) == 0
+    prep = json.loads((out / "prepare.json").read_text())
+    s = json.loads((out / "summary.json").read_text())
+    assert s["stage"] == "prepare" and s["samples"] == 3 == prep["num_kept"]
+    assert s["tokens"] == prep["num_tokens"] == sum(len(r) for r in load_prepared(out)["input_ids"])
+    assert s["skipped"] == prep["dropped"] and s["skipped_total"] == len(BAD) + 1
+    assert 0 < s["target_load_s"] < s["wall_s"]
+    assert s["samples_per_s"] == pytest.approx(3 / s["wall_s"], rel=1e-2)
+    assert s["regenerated"] == 0 and s["regen_tokens_per_s"] is None
+    assert not list(out.glob(".*.tmp"))  # written through a temporary file and renamed
+
+
+def test_summary_json_counts_this_runs_regeneration_only(tmp_path):
+    out = tmp_path / "out"
+    args = ["prepare", "--config", "tiny", "--out", str(out), "--num-prompts", "6", "--max-length", "2048",
+            "--set", "data.regen_max_new_tokens=5"]
+    assert cli_main(args) == 0
+    s = json.loads((out / "summary.json").read_text())
+    prep = json.loads((out / "prepare.json").read_text())
+    assert s["regenerated"] == 6 and s["regen_tokens"] == prep["regeneration"]["num_tokens"] > 0
+    assert s["regen_tokens_per_s"] > 0
+    assert cli_main(args) == 0  # a rerun finds every response in the results file
+    s = json.loads((out / "summary.json").read_text())
+    assert s["samples"] == 6 and s["regenerated"] == 0 and s["regen_tokens"] == 0
+
+
+def test_more_bad_input_kinds(tmp_path):
+    # a non-string system prompt is a skip, not silently dropped; a .json file that is not UTF-8
+    (tmp_path / "a.jsonl").write_text(json.dumps({"id": "s", "prompt": "q", "response": "r", "system": 5}) + "\n"
+                                      + json.dumps({"id": "ok", "prompt": "q", "response": "r", "system": "Hi."}) + "\n")
+    (tmp_path / "b.json").write_bytes(b'[{"prompt": "caf\xe9", "response": "x"}]')
+    out = tmp_path / "out"
+    assert cli_main(["prepare", "--config", "tiny", "--data", str(tmp_path / "a.jsonl"), "--data",
+                     str(tmp_path / "b.json"), "--out", str(out)]) == 0
+    s = json.loads((out / "prepare.json").read_text())
+    assert s["dropped"] == {"non_string_content": 1, "invalid_utf8": 1}
+    assert s["first_at"]["non_string_content"] == f"{tmp_path / 'a.jsonl'}:1"
+    assert s["first_at"]["invalid_utf8"].startswith(f"{tmp_path / 'b.json'}:byte ")
+    ds = load_prepared(out)
+    from eyas.target.tiny import make_tiny_tokenizer
+
+    assert ds["sample_id"] == ["ok"]
+    assert make_tiny_tokenizer().decode(ds[0]["input_ids"]).startswith("<|im_start|>system\nHi.<|im_end|>")
+
+
+def test_records_without_ids_in_same_named_files_do_not_collide(tmp_path):
+    for d, text in (("x", "first"), ("y", "second")):
+        (tmp_path / d).mkdir()
+        (tmp_path / d / "train.jsonl").write_text(json.dumps({"prompt": text, "response": "ok"}) + "\n")
+    out = tmp_path / "out"
+    assert cli_main(["prepare", "--config", "tiny", "--data", str(tmp_path / "x" / "train.jsonl"), "--data",
+                     str(tmp_path / "y" / "train.jsonl"), "--out", str(out)]) == 0
+    s = json.loads((out / "prepare.json").read_text())
+    assert s["dropped"] == {} and s["num_kept"] == 2
+    assert load_prepared(out)["sample_id"] == ["train.jsonl:1", "train.jsonl#1:1"]
+
+
+def test_extra_stop_tokens(tmp_path, capsys):
+    src = tmp_path / "d.jsonl"
+    src.write_text(json.dumps({"id": "a", "prompt": "q", "response": "r"}) + "\n")
+    out = tmp_path / "out"
+    assert cli_main(["prepare", "--config", "tiny", "--data", str(src), "--out", str(out),
+                     "--set", "data.stop_tokens=<|endoftext|>"]) == 0
+    s = json.loads((out / "prepare.json").read_text())
+    assert s["stop_token_ids"] == [258, 256]  # the tokenizer's eos (<|im_end|>), then the extra one
+    capsys.readouterr()
+    rc = cli_main(["prepare", "--config", "tiny", "--data", str(src), "--out", str(tmp_path / "bad"),
+                   "--set", "data.stop_tokens=<|eot_id|>"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "data.stop_tokens" in err and "<|eot_id|>" in err and len(err.strip().splitlines()) == 1
+
+
+def test_saved_dataset_directory_and_offline_hub_name(tmp_path, monkeypatch, capsys):
+    import datasets
+
+    saved = tmp_path / "saved"
+    datasets.Dataset.from_list([GOOD_OPENAI, {"id": "h2", "messages": [
+        {"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]}]).save_to_disk(str(saved))
+    out = tmp_path / "out"
+    assert cli_main(["prepare", "--config", "tiny", "--data", str(saved), "--out", str(out)]) == 0
+    assert load_prepared(out)["sample_id"] == ["g2", "h2"]
+
+    # offline (as here, without network): both libraries read the flag at import, so set it where they keep it
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
+    capsys.readouterr()
+    rc = cli_main(["prepare", "--config", "tiny", "--data", "someorg/no-such-dataset", "--out", str(tmp_path / "o")])
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert rc == 2 and err.startswith("eyas prepare: error: no usable conversation")
+    assert "unreadable_file: 1 (first at someorg/no-such-dataset: " in err and "save_to_disk directory" in err

@@ -162,3 +162,93 @@ def test_endpoint_unreachable_is_a_one_line_user_error(tmp_path):
 
     with pytest.raises(EyasError, match="cannot reach"):
         regenerate_endpoint("http://127.0.0.1:9", PROMPTS[:1], tmp_path / "r.jsonl", max_new_tokens=4)
+
+
+def test_a_changed_prompt_under_the_same_id_is_generated_again(tmp_path, tiny_target):
+    path = tmp_path / "regen.jsonl"
+    ct = ChatTemplate(tiny_target.tokenizer)
+    prompts = [dict(p) for p in PROMPTS[:4]]
+    first = regenerate_local(tiny_target, prompts, path, template=ct, max_new_tokens=6, batch_size=4)
+    prompts[2] = {"id": prompts[2]["id"], "messages": [{"role": "user", "content": "a different question"}]}
+    second = regenerate_local(tiny_target, prompts, path, template=ct, max_new_tokens=6, batch_size=4)
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [r["id"] for r in lines] == [p["id"] for p in PROMPTS[:4]] + [prompts[2]["id"]]  # only p02 again
+    expected = generate_batch(tiny_target.model, [ct.prompt_ids(prompts[2]["messages"])], max_new_tokens=6,
+                              stop_ids=ct.stop_ids, pad_id=tiny_target.tokenizer.pad_token_id)[0]["tokens"]
+    assert second["p02"]["response"] == tiny_target.tokenizer.decode(expected, skip_special_tokens=True)
+    assert second["p02"]["prompt_sha"] != first["p02"]["prompt_sha"]
+    assert all(second[i] == first[i] for i in ("p00", "p01", "p03"))
+
+
+class _SlowServer:
+    """Canned answers; the first request sleeps past the client's timeout. Records requests in flight."""
+
+    def __init__(self, sleep_first_s: float, work_s: float = 0.05):
+        self.lock, self.in_flight, self.max_in_flight, self.bodies = threading.Lock(), 0, 0, []
+        self.sleep_first = sleep_first_s
+        server = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *a):
+                pass
+
+            def _send(self, obj):
+                data = json.dumps(obj).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def do_GET(self):
+                self._send({"data": [{"id": "m"}]})
+
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                with server.lock:
+                    server.bodies.append(body)
+                    delay, server.sleep_first = server.sleep_first, 0.0
+                    live = delay == 0  # the slow one is abandoned by the client: not its request any more
+                    server.in_flight += live
+                    server.max_in_flight = max(server.max_in_flight, server.in_flight)
+                time.sleep(delay + work_s)
+                with server.lock:
+                    server.in_flight -= live
+                try:
+                    self._send({"choices": [{"message": {"content": "answer to " + body["messages"][-1]["content"]},
+                                             "finish_reason": "stop"}], "usage": {"completion_tokens": 3}})
+                except (BrokenPipeError, ConnectionResetError):
+                    pass  # the client gave up on this request (timeout)
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/v1"
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+def test_endpoint_timeout_is_retried_and_concurrency_is_bounded(tmp_path):
+    server = _SlowServer(sleep_first_s=1.5)
+    try:
+        results = regenerate_endpoint(server.url, PROMPTS[:10], tmp_path / "r.jsonl", max_new_tokens=4,
+                                      concurrency=3, timeout_s=0.5, retries=2, backoff_s=0.01,
+                                      stop_token_ids=[7, 9])
+    finally:
+        server.close()
+    assert set(results) == {p["id"] for p in PROMPTS[:10]}
+    assert all(r["response"] == "answer to " + p["messages"][-1]["content"] for p, r in
+               zip(PROMPTS[:10], (results[p["id"]] for p in PROMPTS[:10])))
+    assert len(server.bodies) == 11  # one request timed out and was sent again
+    assert 1 < server.max_in_flight <= 3
+    assert all(b["stop_token_ids"] == [7, 9] for b in server.bodies)
+
+
+def test_results_written_before_prompt_hashes_still_resume(tmp_path, tiny_target):
+    path = tmp_path / "regen.jsonl"
+    path.write_text(json.dumps({"id": "p00", "response": "old", "num_tokens": 1, "finish": "stop"}) + "\n")
+    results = regenerate_local(tiny_target, PROMPTS[:2], path, template=ChatTemplate(tiny_target.tokenizer),
+                               max_new_tokens=4, batch_size=2)
+    assert results["p00"]["response"] == "old" and [json.loads(x)["id"] for x in path.read_text().splitlines()] == [
+        "p00", "p01"]

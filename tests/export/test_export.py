@@ -241,3 +241,41 @@ def test_flat_configs_without_eyas_json(make_run, tiny_target, tmp_path):
     cfg_path.write_text(json.dumps(cfg))
     with pytest.raises(EyasError, match="name different layers"):
         load_draft(paths["sglang"])
+
+
+def sglang_loads(names, layer: str) -> tuple[set, set]:
+    """Which file weights SGLang's LlamaForCausalLMEagle3.load_weights places, by its naming rules (read in
+    sgl-project/sglang python/sglang/srt/models/llama_eagle3.py): the decoder layer is `model.<layer>`
+    (`midlayer` up to PR #24663, `layers.0` after it, which also renames `midlayer` to `layers.0`),
+    q/k/v and gate/up are fused, a name is tried as is and with `model.`, d2t/t2d are read apart, and
+    anything else is skipped without a word. -> (placed parameters, skipped file names)."""
+    params = {"lm_head.weight", "model.embed_tokens.weight", "model.fc.weight", "model.norm.weight"} | {
+        f"model.{layer}.{p}.weight" for p in ("hidden_norm", "input_layernorm", "self_attn.qkv_proj",
+                                              "self_attn.o_proj", "post_attention_layernorm", "mlp.gate_up_proj",
+                                              "mlp.down_proj")}
+    fused = {".q_proj": ".qkv_proj", ".k_proj": ".qkv_proj", ".v_proj": ".qkv_proj", ".gate_proj": ".gate_up_proj",
+             ".up_proj": ".gate_up_proj"}
+    placed, skipped = set(), set()
+    for name in names:
+        if name in ("d2t", "t2d"):
+            continue
+        new = name.replace("midlayer", "layers.0") if layer == "layers.0" else name
+        for part, whole in fused.items():
+            new = new.replace(part, whole)
+        hit = next((c for c in (new, f"model.{new}") if c in params), None)
+        (placed.add(hit) if hit else skipped.add(name))
+    return placed, skipped
+
+
+def test_sglang_export_loads_in_old_and_new_sglang(make_run, tmp_path):
+    """Every weight of the SGLang export lands on a parameter, and every draft parameter is filled, for
+    both generations of SGLang's loader; a `layers.0.*` file would serve with a random layer in the old one."""
+    run, _ = make_run()
+    paths = export(run, tmp_path / "out", ["sglang", "vllm"])
+    sgl = load_file(paths["sglang"] / "model.safetensors")
+    for layer in ("midlayer", "layers.0"):
+        placed, skipped = sglang_loads(sgl, layer)
+        assert not skipped, (layer, skipped)
+        assert len(placed) == 10  # all but the embedding, which SGLang takes from the target
+    placed, skipped = sglang_loads(load_file(paths["vllm"] / "model.safetensors"), "midlayer")
+    assert len(skipped) == 10 and all(k.startswith("layers.0.") for k in skipped)

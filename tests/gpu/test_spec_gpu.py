@@ -50,3 +50,19 @@ def test_oracle_speedup_bf16_cuda():
     res = engine.generate(ids, 128, steps=5)
     assert res.tokens == ref.tokens
     assert res.total_s < ref.total_s  # ~6 tokens per target pass must beat 1
+
+
+def test_no_sync_timing_is_lossless_and_plain_matches_generate_cuda():
+    """sync_timing=False drops the per-phase synchronisations; plain decoding reads each token while the
+    next forward is queued. Neither may change a token (fp32, so no near-tie flips)."""
+    target = load_target("smollm2", device="cuda", dtype="fp32")
+    aux = resolve_aux_layers(None, target.num_layers)
+    engine = SpecEngine(target.model, random_draft(target, aux), aux, sync_timing=False)
+    ids = chat_ids(target, QUESTIONS[0])
+    x = torch.tensor([ids], device="cuda")
+    with torch.no_grad():
+        hf = target.model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=40, do_sample=False,
+                                   eos_token_id=None, pad_token_id=target.tokenizer.pad_token_id)[0, len(ids):].tolist()
+    assert engine.plain_generate(ids, 40).tokens == hf
+    for setting in (dict(steps=5), dict(tree=(4, 5, 16))):
+        assert engine.generate(ids, 40, **setting).tokens == hf

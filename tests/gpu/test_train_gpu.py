@@ -59,3 +59,35 @@ def test_torchrun_ddp_and_fsdp2(tmp_path, fsdp):
                          timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     assert os.readlink(tmp_path / "latest") == "step-0000008"
+
+
+@pytest.mark.parametrize("attention, compiled", [("dense", False), ("dense", True), ("flex", False), ("flex", True)])
+def test_fast_paths_on_cuda_match_the_reference(attention, compiled):
+    """The optimised TTT paths (bench/train.py's configurations) against the reference, bf16 autocast."""
+    from test_ttt import H, V, make_batch, make_draft
+
+    from eyas.train.loop import TTTModule
+
+    batch = {k: v.cuda() for k, v in make_batch([40, 33]).items()}
+    lm = torch.randn(V, H, device="cuda")
+    out = {}
+    for impl in ("reference", "fast"):
+        draft = make_draft().cuda()
+        model = TTTModule(draft, 4, 0.8, "fused", impl=impl, attention=attention, compile=compiled and impl == "fast")
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            res = model(batch, lm)
+        res.loss.backward()
+        out[impl] = (res, {n: p.grad for n, p in draft.named_parameters() if p.grad is not None})
+    (ref, ref_grads), (fast, fast_grads) = out["reference"], out["fast"]
+    torch.testing.assert_close(fast.loss, ref.loss, rtol=2e-2, atol=2e-2)
+    assert fast.count_k == ref.count_k
+    for name, g in ref_grads.items():
+        torch.testing.assert_close(fast_grads[name], g, rtol=0.1, atol=0.05 * g.abs().max().item(), msg=name)
+
+
+def test_bench_train_runs_every_configuration():
+    out = subprocess.run([sys.executable, str(ROOT / "bench" / "train.py"), "--small", "--steps", "2", "--max-seq", "1536"],
+                         env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "failed" not in out.stdout, out.stdout[-3000:]
+    assert "flex+compile" in out.stdout and "longest sequence" in out.stdout

@@ -51,6 +51,18 @@ def test_eval_cli_on_jsonl(tmp_path, tiny_target, capsys):
     assert len(s["accept_at_position"]) == 2 and "speedup_vs_plain" in s and "speedup_vs_hf" in s
     printed = capsys.readouterr().out
     assert "tau" in printed and "speedup" in printed
+    # the file alone is enough to check losslessness: its context ids, decoded plainly, give its tokens
+    from eyas.spec.engine import SpecEngine
+
+    plain = SpecEngine(tiny_target.model)
+    for t in (t for p in doc["prompts"] for t in p["turns"]):
+        assert t["num_prompt_tokens"] == len(t["prompt_ids"])
+        assert plain.plain_generate(t["prompt_ids"], 6).tokens[:len(t["tokens"])] == t["tokens"]
+    summary = json.loads((out.parent / "summary.json").read_text())
+    entry = summary["results"]["result"]
+    assert entry["bench"] == str(bench) and entry["setting"] == "chain-2" and entry["file"] == "result.json"
+    assert entry["tau_pooled"] == s["tau_pooled"] and entry["speedup_vs_plain"] == s["speedup_vs_plain"]
+    assert entry["wall_s"] > 0 and summary["wall_s"] == entry["wall_s"] and summary["tokens_per_s"] > 0
 
 
 def test_eval_cli_tree_and_chain_on_mtbench(tmp_path, tiny_target):
@@ -92,3 +104,74 @@ def test_evaluate_entry_for_the_pipeline(tmp_path, tiny_target):
     res = evaluate(cfg, step, tmp_path / "eval", target=tiny_target)
     assert set(res["p"]) == {"chain-2", "tree-2x2x3"}
     assert (tmp_path / "eval" / "p-tree-2x2x3.json").is_file() and (tmp_path / "eval" / "p-chain-2.png").is_file()
+
+
+def test_summary_merges_one_process_per_setting(tmp_path, tiny_target):
+    """The pipeline's layout: one `eyas eval` per benchmark x setting into RUN/eval/; summary.json gathers
+    them all (atomically rewritten), with the stage's wall_s and tokens_per_s at the top."""
+    step = save_step_dir(tmp_path / "step", tiny_target)
+    bench = tmp_path / "p.jsonl"
+    bench.write_text(json.dumps({"id": "a", "prompt": "hi"}) + "\n")
+    ev = tmp_path / "run" / "eval"
+    for flags, name in ((["--steps", "2"], "p-chain-2"), (["--steps", "3"], "p-chain-3")):
+        assert main(["eval", "--config", "tiny", "--draft", str(step), "--bench", str(bench), *flags,
+                     "--max-new-tokens", "4", "--no-hf-baseline", "--out", str(ev / f"{name}.json")]) == 0
+    summary = json.loads((ev / "summary.json").read_text())
+    assert sorted(summary["results"]) == ["p-chain-2", "p-chain-3"] and summary["num_results"] == 2
+    for name, entry in summary["results"].items():
+        result = json.loads((ev / entry["file"]).read_text())["summary"]
+        assert entry["tau_pooled"] == result["tau_pooled"] and entry["speedup_vs_plain"] == result["speedup_vs_plain"]
+        assert entry["setting"] == name.removeprefix("p-") and entry["wall_s"] >= result["wall_s"] > 0
+    assert summary["wall_s"] == pytest.approx(sum(e["wall_s"] for e in summary["results"].values()), abs=2e-3)
+    tokens = sum(e["num_tokens"] for e in summary["results"].values())
+    assert summary["tokens_per_s"] == pytest.approx(tokens / sum(e["total_s"] for e in summary["results"].values()))
+    assert not list(ev.glob(".*"))  # nothing temporary left behind
+    before = (ev / "summary.json").read_text()
+    assert main(["eval", "--config", "tiny", "--draft", str(step), "--bench", str(bench), "--steps", "2",
+                 "--out", str(ev / "summary.json")]) == 2  # a result must not overwrite the summary
+    assert (ev / "summary.json").read_text() == before
+
+
+def test_tree_alone_as_the_pipeline_runs_it(tmp_path, tiny_target):
+    """eyas/pipeline.py runs the tree setting as its own process: `--tree` without `--steps`."""
+    step = save_step_dir(tmp_path / "step", tiny_target)
+    bench = tmp_path / "p.jsonl"
+    bench.write_text(json.dumps({"id": "a", "prompt": "hi"}) + "\n")
+    out = tmp_path / "eval" / "p-tree-2x2x3.json"
+    assert main(["eval", "--config", "tiny", "--draft", str(step), "--bench", str(bench), "--tree", "2,2,3",
+                 "--max-new-tokens", "4", "--no-hf-baseline", "--out", str(out)]) == 0
+    assert json.loads(out.read_text())["settings"]["setting"] == "tree-2x2x3"
+
+
+@pytest.mark.parametrize("fmt", ["sglang", "vllm", "speculators", "research"])
+def test_eval_reads_exports_and_research_checkpoints(fmt, tmp_path, tiny_target):
+    """Issue 7, reading back: every export kind and an EAGLE/SpecForge checkpoint (midlayer.* names, no aux
+    ids) load into the engine with the same draft logits as the checkpoint and decode losslessly."""
+    from safetensors.torch import load_file
+
+    from eyas.commands.eval import build_engine
+    from eyas.export import export
+    from eyas.export.keys import to_midlayer
+
+    step = save_step_dir(tmp_path / "step", tiny_target, seed=3)
+    if fmt == "research":
+        d = tmp_path / "research"
+        d.mkdir()
+        torch.save(to_midlayer(load_file(step / "model.safetensors")), d / "pytorch_model.bin")
+        cfg = tiny_target.config.to_dict()
+        cfg.update(architectures=["LlamaForCausalLM"], num_hidden_layers=1, draft_vocab_size=tiny_target.vocab_size)
+        (d / "config.json").write_text(json.dumps(cfg))
+    else:
+        d = export(step, tmp_path / fmt, [fmt], dtype="fp32")[fmt]
+    ref_engine, _ = build_engine(tiny_target, step)
+    engine, info = build_engine(tiny_target, d)
+    assert info["aux"] == [1, 2, 3]  # research: nothing recorded, the target's default ids
+    gen = torch.Generator().manual_seed(0)
+    aux = torch.randn(1, 5, 3 * tiny_target.hidden_size, generator=gen)
+    ids, pos = torch.randint(0, tiny_target.vocab_size, (1, 5), generator=gen), torch.arange(5)[None]
+    with torch.no_grad():
+        ours = engine.draft(engine.draft.fuse(aux), ids, pos).logits
+        ref = ref_engine.draft(ref_engine.draft.fuse(aux), ids, pos).logits
+    torch.testing.assert_close(ours, ref, rtol=0, atol=0)
+    prompt = [1, 72, 101, 108, 108, 111, 2]
+    assert engine.generate(prompt, 10, steps=3).tokens == engine.plain_generate(prompt, 10).tokens

@@ -60,3 +60,19 @@ def test_tiny_families(kind):
 def test_rejects_final_index_as_aux(tiny_target):
     with pytest.raises(ValueError, match="out of range"):
         FeatureCapture(tiny_target, [2, 4])
+
+
+def test_only_the_base_model_runs_no_lm_head_no_all_hidden_states(tiny_target):
+    """Issue 4 (1): capture asks for no hidden_states list and never computes the V-wide lm_head."""
+    calls = {"lm_head": 0, "kwargs": []}
+    head = tiny_target.lm_head.register_forward_hook(lambda *_: calls.__setitem__("lm_head", calls["lm_head"] + 1))
+    pre = tiny_target.decoder.register_forward_pre_hook(lambda _m, _a, kw: calls["kwargs"].append(dict(kw)),
+                                                        with_kwargs=True)
+    try:
+        ids, mask = _padded_batch(tiny_target.vocab_size, [7, 3])
+        FeatureCapture(tiny_target, [1, 3])(ids, mask)
+    finally:
+        head.remove()
+        pre.remove()
+    assert calls["lm_head"] == 0 and len(calls["kwargs"]) == 1
+    assert not calls["kwargs"][0].get("output_hidden_states") and calls["kwargs"][0].get("use_cache") is False

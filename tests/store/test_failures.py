@@ -1,6 +1,7 @@
 """Out of memory, full disk, unwritable directory: clear errors, nothing lost, the committed store stays valid."""
 
 import errno
+import json
 import os
 
 import pytest
@@ -51,7 +52,7 @@ def test_full_disk_keeps_committed_store_and_resumes(tmp_path, prepared, tiny_ta
         calls.append(path)
         if len(calls) > 3:  # the target head and two shards fit, then the disk is full
             raise OSError(errno.ENOSPC, "No space left on device")
-        real_write(path, tensors, metadata)
+        return real_write(path, tensors, metadata)
 
     monkeypatch.setattr(writer_mod, "write_shard_file", full_after_two)
     monkeypatch.setattr(capture_mod, "write_shard_file", full_after_two)
@@ -92,3 +93,72 @@ def test_unwritable_directory(tmp_path, prepared, tiny_target, monkeypatch):
         store.chmod(0o755)
     assert {p.name: p.read_bytes() for p in store.iterdir()} == before
     assert verify_store(store, num_samples=0)["problems"] == []
+
+
+def _shard_hashes(store):
+    manifest = json.loads((store / "manifest.json").read_text())
+    return [(s["file"], s["sha256"]) for s in manifest["shards"]]
+
+
+def test_budget_forced_4x_too_large_gives_identical_store(tmp_path, prepared, tiny_target, capsys):
+    """Issue 9 section 2 on CPU: every pass over the working budget runs out of memory; the budget halves
+    twice, lands on the working one, and the shards are byte-identical to a run with that budget."""
+    budget = 100
+    ref = capture(tiny_cfg(shard_tokens=400, token_budget=budget), prepared, tmp_path / "ref", target=tiny_target)
+    assert ref["oom_splits"] == 0
+    got = capture(tiny_cfg(shard_tokens=400, token_budget=4 * budget, inject_oom_tokens=budget), prepared,
+                  tmp_path / "oom", target=tiny_target)
+    assert got["complete"] and got["oom_splits"] == 2 and got["final_token_budget"] == budget
+    assert "token budget now 200" in capsys.readouterr().err
+    assert _shard_hashes(tmp_path / "oom") == _shard_hashes(tmp_path / "ref")
+
+
+def test_several_writer_threads_bounded_buffers_same_bytes(tmp_path, prepared, tiny_target, monkeypatch):
+    """Slow writes: several threads write at once, the loop waits for a free buffer instead of taking
+    more memory, and the store is byte-identical to one written with a single thread."""
+    import threading
+    import time
+
+    one = tiny_cfg(shard_tokens=60, token_budget=64)
+    one.capture.writer_threads = 1
+    capture(one, prepared, tmp_path / "one", target=tiny_target)
+    real_write, lock, active, peak = writer_mod.write_shard_file, threading.Lock(), [0], [0]
+
+    def slow(path, tensors, metadata):
+        with lock:
+            active[0] += 1
+            peak[0] = max(peak[0], active[0])
+        time.sleep(0.05)
+        try:
+            return real_write(path, tensors, metadata)
+        finally:
+            with lock:
+                active[0] -= 1
+
+    monkeypatch.setattr(writer_mod, "write_shard_file", slow)
+    made = []
+    real_buffer = writer_mod.ShardBuffer
+    monkeypatch.setattr(writer_mod, "ShardBuffer", lambda *a, **kw: made.append(1) or real_buffer(*a, **kw))
+    three = tiny_cfg(shard_tokens=60, token_budget=64)
+    three.capture.writer_threads = 3
+    s = capture(three, prepared, tmp_path / "three", target=tiny_target)
+    assert s["writer_threads"] == 3 and s["staging_buffers"] == 5 and s["num_shards"] >= 8
+    assert peak[0] >= 2  # shards were written concurrently
+    assert len(made) <= 5 and s["writer_wait_s"] > 0  # memory stayed bounded: the loop waited for the writers
+    assert _shard_hashes(tmp_path / "three") == _shard_hashes(tmp_path / "one")
+    ra, rb = StoreReader(tmp_path / "one"), StoreReader(tmp_path / "three")
+    assert [ra[i]["sample_id"] for i in range(len(ra))] == [rb[i]["sample_id"] for i in range(len(rb))]
+
+
+def test_summary_json(tmp_path, prepared, tiny_target):
+    store = tmp_path / "store"
+    summary = capture(tiny_cfg(shard_tokens=200, token_budget=128, dtype="bf16"), prepared, store, target=tiny_target)
+    on_disk = json.loads((store / "summary.json").read_text())
+    assert on_disk == json.loads(json.dumps(summary))
+    for key in ("wall_s", "samples", "tokens", "tokens_per_s", "bytes", "bytes_per_token", "dtype"):
+        assert key in on_disk, key
+    manifest = json.loads((store / "manifest.json").read_text())
+    assert on_disk["tokens"] == manifest["num_tokens"] and on_disk["bytes"] == manifest["num_bytes"]
+    assert on_disk["dtype"] == "bf16" and on_disk["tokens_per_s"] > 0 and 512 < on_disk["bytes_per_token"] < 560
+    again = capture(tiny_cfg(shard_tokens=200, token_budget=128, dtype="bf16"), prepared, store, target=tiny_target)
+    assert again["tokens"] == 0 and json.loads((store / "summary.json").read_text()) == on_disk  # kept

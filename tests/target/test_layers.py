@@ -1,5 +1,6 @@
 import pytest
 
+from eyas.config import ConfigError
 from eyas.target import default_aux_layers, resolve_aux_layers, to_sglang_ids
 
 
@@ -24,6 +25,16 @@ def test_user_ids_are_validated():
         resolve_aux_layers([15, 2], 30)
     with pytest.raises(ValueError, match="distinct and ascending"):
         resolve_aux_layers([2, 2, 27], 30)
+
+
+def test_bad_ids_are_user_errors_naming_the_key():
+    """ConfigError (not a bare ValueError) so that the CLI prints one line instead of a traceback."""
+    for ids in ([2, 15, 30], [15, 2], []):
+        with pytest.raises(ConfigError, match=r"^target\.aux_layers") as e:
+            resolve_aux_layers(ids, 30)
+        assert "\n" not in str(e.value)
+    with pytest.raises(ConfigError, match="at least 2 layers"):
+        default_aux_layers(1)
 
 
 def test_sglang_convention_is_hf_minus_one():

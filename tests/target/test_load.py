@@ -114,3 +114,26 @@ def test_local_hf_directory_loads(tmp_path, tiny_target):
     torch.testing.assert_close(again.model(ids).logits, tiny_target.model(ids).logits)
     assert again.identity["config_hash"] == tiny_target.identity["config_hash"]
     assert again.identity["tokenizer_hash"] == tiny_target.identity["tokenizer_hash"]
+
+
+def test_unloadable_targets_are_one_line_errors(tmp_path, monkeypatch, tiny_target):
+    """A corrupt GGUF, a broken config.json and a directory without tokenizer files: no traceback."""
+    monkeypatch.setenv("EYAS_CACHE", str(tmp_path / "cache"))
+    bad_gguf = tmp_path / "broken.gguf"
+    bad_gguf.write_bytes(b"not a gguf file" * 100)
+    with pytest.raises(EyasError, match=r"cannot load GGUF file .*broken\.gguf.*magic") as e:
+        load_target(str(bad_gguf), device="cpu")
+    assert "\n" not in str(e.value)
+    assert not [p for p in (tmp_path / "cache" / "hf").iterdir() if p.is_dir()]  # no half-built entry
+
+    bad_config = tmp_path / "bad_config"
+    bad_config.mkdir()
+    (bad_config / "config.json").write_text("{not json")
+    with pytest.raises(EyasError, match=r"cannot load the target from .*bad_config.*config\.json"):
+        load_target(str(bad_config), device="cpu")
+
+    no_tokenizer = tmp_path / "no_tokenizer"
+    tiny_target.model.save_pretrained(no_tokenizer)
+    with pytest.raises(EyasError, match=r"cannot load the target from .*no_tokenizer") as e:
+        load_target(str(no_tokenizer), device="cpu")
+    assert "\n" not in str(e.value)

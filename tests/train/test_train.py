@@ -47,8 +47,17 @@ def test_train_learns_and_writes_a_self_describing_run(tmp_path):
     assert "embed_tokens.weight" not in weights and weights["d2t"].dtype == torch.long
     meta = json.loads((step / "draft.json").read_text())
     assert meta["aux_layers"] == [1, 2, 3] and meta["features"] == "fused" and meta["ttt"] == 3
+    assert meta["target_num_layers"] == 4  # the exporters derive SGLang's layer ids and configs from it
     assert (tmp_path / "curves.png").stat().st_size > 1000 and any((tmp_path / "tb").iterdir())
     assert summary["steps"] == 20 and 1.0 <= summary["tau_sim"] <= 4.0
+    # RUN/summary.json: what the pipeline reads for the stage's throughput, whole-run figures
+    on_disk = json.loads((tmp_path / "summary.json").read_text())
+    assert on_disk == json.loads(json.dumps(summary))
+    stream = synthetic_source().batcher(128, 0).stream(0, 0)
+    assert on_disk["tokens"] == sum(int(next(stream)[2]["attention_mask"].sum()) for _ in range(20))
+    assert on_disk["wall_s"] > 0 and abs(on_disk["tokens_per_s"] / (on_disk["tokens"] / on_disk["wall_s"]) - 1) < 1e-3
+    assert on_disk["loss"] == records[-1]["loss"] and on_disk["acc_2"] == records[-1]["acc_2"]
+    assert not list(tmp_path.glob("*.tmp")) and not list(tmp_path.glob(".*.tmp"))
 
 
 def test_eagle2_baseline_by_flags(tmp_path):

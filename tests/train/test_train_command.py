@@ -67,3 +67,40 @@ def test_store_that_does_not_match_the_config_is_refused(prepared_and_store, ext
     err = capsys.readouterr().err
     assert rc == 2 and "refusing" in err and all(w in err for w in words), err
     assert not (root / "refused" / "latest").exists()
+
+
+def test_tail_trains_on_committed_shards_while_the_capture_runs(prepared_and_store, monkeypatch):
+    """--tail takes shards as the manifest commits them: steps are taken before the store is complete."""
+    import shutil
+    import threading
+    import time
+
+    from eyas.common import atomic_write_json, read_json
+    from eyas.store import capture
+    from eyas.train import data
+
+    root = prepared_and_store
+    full = root / "store-sharded"
+    capture(load_config("tiny", ["capture.shard_tokens=48"]), str(root / "prepared"), str(full))
+    manifest = read_json(full / "manifest.json")
+    assert manifest["complete"] and len(manifest["shards"]) >= 4
+    live = root / "store-live"  # the capture "so far": two shards committed, the rest to come
+    shutil.copytree(full, live)
+    atomic_write_json(live / "manifest.json", {**manifest, "shards": manifest["shards"][:2], "complete": False})
+    monkeypatch.setattr(data, "TAIL_GROUP_BATCHES", 1)  # plan every shard as soon as it is committed
+
+    run, result = root / "tail", {}
+    args = ["train", "--config", "tiny", "--steps", "8", "--set", "train.log_every=1", "--set", "train.batch_tokens=64",
+            "--store", str(live), "--out", str(run), "--tail", "--poll-s", "0.05"]
+    thread = threading.Thread(target=lambda: result.update(rc=eyas_main(args)))
+    thread.start()
+    deadline = time.time() + 60
+    while not (run / "metrics.jsonl").is_file() and thread.is_alive() and time.time() < deadline:
+        time.sleep(0.05)
+    steps_before_complete = len((run / "metrics.jsonl").read_text().splitlines()) if (run / "metrics.jsonl").is_file() else 0
+    atomic_write_json(live / "manifest.json", manifest)  # the capture commits the rest and finishes
+    thread.join(timeout=120)
+    assert result.get("rc") == 0
+    assert steps_before_complete >= 1, "training waited for the complete store instead of tailing it"
+    state = json.loads((run / "latest" / "trainer_state.json").read_text())
+    assert state["step"] == 8 and state["tokens"] > 0

@@ -1,0 +1,80 @@
+"""Host work of the engine's cycle, counted (not timed) on CPU: every device read (tolist/item/int) is a
+sync on CUDA and every host-built tensor a copy that waits for the device, so their number per cycle is
+what decides the engine's overhead on a GPU. Model forwards are excluded; only the engine's own calls count."""
+
+import pytest
+import torch
+from torch.overrides import TorchFunctionMode
+
+from eyas.spec.engine import SpecEngine
+from eyas.spec.target import Positions, causal_mask
+from eyas.target import resolve_aux_layers
+
+PROMPT = [1, 72, 101, 108, 108, 111, 32, 119, 111, 114, 108, 100, 2]
+READS = {"tolist", "item", "__int__", "__float__", "__bool__", "__index__"}
+BUILDS = {"tensor", "as_tensor"}
+
+
+class Counter(TorchFunctionMode):
+    def __init__(self, modules):
+        super().__init__()
+        self.reads = self.builds = 0
+        self.inside = 0
+        for m in modules:  # forwards of the target and the draft are not the engine's work
+            m.register_forward_pre_hook(self._enter)
+            m.register_forward_hook(self._leave)
+
+    def _enter(self, *args):
+        self.inside += 1
+
+    def _leave(self, *args):
+        self.inside -= 1
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if not self.inside:
+            name = getattr(func, "__name__", "")
+            self.reads += name in READS
+            self.builds += name in BUILDS
+        return func(*args, **(kwargs or {}))
+
+
+def draft_for(target):
+    from eyas.draft import DraftConfig, Eagle3Draft
+
+    aux = resolve_aux_layers(None, target.num_layers)
+    cfg = DraftConfig.from_target_config(target.config.to_dict(), draft_vocab_size=200, num_aux_layers=len(aux))
+    torch.manual_seed(0)
+    draft = Eagle3Draft(cfg).eval()
+    draft.embed_tokens.weight.data.copy_(target.embed_tokens.weight)
+    ids = torch.randperm(target.vocab_size, generator=torch.Generator().manual_seed(0))[:200].sort().values
+    t2d = torch.zeros(target.vocab_size, dtype=torch.bool)
+    t2d[ids] = True
+    draft.set_vocab(ids - torch.arange(200), t2d)  # a real d2t offset table
+    return draft, aux
+
+
+@pytest.mark.parametrize("setting, reads, builds", [
+    (None, 1, 0),  # plain decoding: the token itself, nothing built on the host
+    (dict(steps=5), 1, 0),  # a greedy chain: draft tokens and target argmax in one read, nothing built
+    (dict(tree=(4, 4, 12)), 4 + 1, 3 + 1),  # a tree: one read per level + the verdict; mask rows + inputs
+])
+def test_device_reads_and_host_builds_per_cycle(tiny_target, setting, reads, builds):
+    draft, aux = draft_for(tiny_target)
+    engine = SpecEngine(tiny_target.model, draft if setting else None, aux if setting else None)
+    run = (lambda: engine.plain_generate(PROMPT, 40)) if setting is None else (lambda: engine.generate(PROMPT, 40, **setting))
+    ref = SpecEngine(tiny_target.model).plain_generate(PROMPT, 40).tokens
+    with Counter([tiny_target.model, draft]) as c:
+        res = run()
+    assert res.tokens == ref
+    cycles = res.num_cycles
+    assert cycles >= 20
+    # a constant per generation (prefill, d2t table, the first token) is allowed, not a per-cycle cost
+    assert c.reads <= reads * cycles + 3, (c.reads, cycles)
+    assert c.builds <= builds * cycles + 3, (c.builds, cycles)
+
+
+@pytest.mark.parametrize("past, new", [(0, 5), (7, 1), (7, 4), (0, 1)])
+def test_position_buffers_match_host_masks(past, new):
+    pos = Positions(32, "cpu")
+    assert torch.equal(pos.causal(past, new), causal_mask(past, new, "cpu"))
+    assert pos.at(past, new).tolist() == [list(range(past, past + new))]

@@ -1,0 +1,82 @@
+"""The fast TTT path (eyas/train/kernels.py) reproduces the reference path: losses, statistics, gradients."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.testing import assert_close
+
+from eyas.train.kernels import dense_attention, flex_attention_step, linear_soft_ce, ttt_block_mask
+from eyas.train.ttt import reference_attention, ttt_forward
+from test_ttt import H, V, make_batch, make_draft
+
+
+def grads(draft):
+    return {n: p.grad.clone() for n, p in draft.named_parameters() if p.grad is not None}
+
+
+def run(impl, batch, lm_head, ttt=4, autocast=False, **kw):
+    draft = make_draft()
+    ctx = torch.autocast("cpu", dtype=torch.bfloat16) if autocast else torch.autocast("cpu", enabled=False)
+    with ctx:
+        res = ttt_forward(draft, batch, lm_head, ttt=ttt, impl=impl, **kw)
+    res.loss.backward()
+    return res, grads(draft)
+
+
+def test_fast_path_equals_reference_in_fp32():
+    batch = make_batch([17, 11, 14])
+    lm_head = torch.randn(V, H)
+    ref, ref_grads = run("reference", batch, lm_head)
+    fast, fast_grads = run("fast", batch, lm_head)
+    assert_close(fast.loss, ref.loss, rtol=1e-5, atol=1e-5)
+    assert_close(fast.loss_k, ref.loss_k, rtol=1e-5, atol=1e-5)
+    assert fast.count_k == ref.count_k and fast.correct_k == ref.correct_k
+    assert ref_grads.keys() == fast_grads.keys() and "lm_head.weight" in fast_grads
+    for name in ref_grads:
+        assert_close(fast_grads[name], ref_grads[name], rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_fast_path_follows_autocast_like_the_reference():
+    batch = make_batch([12, 9])
+    lm_head = torch.randn(V, H)
+    ref, ref_grads = run("reference", batch, lm_head, ttt=3, autocast=True)
+    fast, fast_grads = run("fast", batch, lm_head, ttt=3, autocast=True)
+    assert_close(fast.loss, ref.loss, rtol=3e-2, atol=3e-2)
+    for name in ref_grads:
+        assert fast_grads[name].dtype == ref_grads[name].dtype == torch.float32
+        assert_close(fast_grads[name], ref_grads[name], rtol=0.1, atol=0.05 * ref_grads[name].abs().max().item(),
+                     msg=name)
+
+
+def test_linear_soft_ce_in_chunks_equals_cross_entropy():
+    torch.manual_seed(0)
+    x = torch.randn(10, 8, requires_grad=True)
+    w = torch.randn(7, 8, requires_grad=True)
+    p = torch.randn(10, 7).softmax(-1)
+    logits = x @ w.T
+    ref = F.cross_entropy(logits, p, reduction="sum")
+    (ref * 0.3).backward()
+    ref_gx, ref_gw = x.grad.clone(), w.grad.clone()
+    x.grad = w.grad = None
+    loss, argmax = linear_soft_ce(x, w, p, chunk=3)
+    (loss * 0.3).backward()
+    assert_close(loss, ref)
+    assert torch.equal(argmax, logits.argmax(-1))
+    assert_close(x.grad, ref_gx)
+    assert_close(w.grad, ref_gw)
+
+
+@pytest.mark.parametrize("k", [0, 1, 3])
+def test_dense_and_flex_attention_equal_the_reference(k):
+    torch.manual_seed(k)
+    b, nh, nkv, t, d = 2, 4, 2, 9, 8
+    q = torch.randn(b, nh, t, d)
+    k0, v0 = torch.randn(b, nkv, t, d), torch.randn(b, nkv, t, d)
+    dk = [torch.randn(b, nkv, t, d) for _ in range(k)]
+    dv = [torch.randn(b, nkv, t, d) for _ in range(k)]
+    causal = torch.ones(t, t, dtype=torch.bool).tril()
+    ref = reference_attention(q, k0, v0, dk, dv, causal, d ** -0.5)
+    assert_close(dense_attention(q, k0, v0, dk, dv, d ** -0.5), ref)
+    # FlexAttention has no CPU backward; its forward pins the block mask (the GPU test covers training)
+    flex = flex_attention_step(q, k0, v0, dk, dv, d ** -0.5, ttt_block_mask(t, k, q.device))
+    assert_close(flex, ref, rtol=1e-4, atol=1e-5)
