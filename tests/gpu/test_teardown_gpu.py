@@ -1,6 +1,7 @@
 """On a real GPU: a stage's memory is released after teardown (as NVML sees it), and a foreign
 process holding memory makes the runner refuse and survives. Skipped without CUDA (tests/conftest.py)."""
 
+import os
 import subprocess
 import sys
 import time
@@ -68,13 +69,19 @@ def test_stage_memory_is_released_after_teardown(tmp_path, mode):
 
 
 def test_foreign_holder_makes_the_runner_refuse_and_survives(tmp_path):
-    foreign = subprocess.Popen([sys.executable, "-c", "import time, torch; x = torch.empty(1 << 30, "
-                                "dtype=torch.uint8, device='cuda'); torch.cuda.synchronize(); time.sleep(1000)"])
+    ready = tmp_path / "foreign-ready"
+    foreign = subprocess.Popen([sys.executable, "-c", "import sys, time, torch; x = torch.empty(1 << 30, "
+                                "dtype=torch.uint8, device='cuda'); torch.cuda.synchronize(); "
+                                "open(sys.argv[1], 'w').write('ready'); time.sleep(1000)", str(ready)])
     try:
+        # this pytest process may hold a CUDA context of its own (earlier GPU tests): wait for another holder
+        def others():
+            return [h for h in nvml.holders([0]) if h.pid != os.getpid()]
+
         deadline = time.monotonic() + 60
-        while not nvml.holders([0]) and time.monotonic() < deadline:
+        while not (ready.exists() and others()) and time.monotonic() < deadline:
             time.sleep(0.2)
-        assert nvml.holders([0]), "NVML never listed the foreign process"
+        assert ready.exists() and others(), "NVML never listed the foreign process"
         opts = RunOptions(gpus=[0], echo=False)
         with pytest.raises(EyasError, match="did not start"):
             run_pipeline(load_config("tiny"), tmp_path / "run", opts, (hog_stage(tmp_path, "ok"),))
