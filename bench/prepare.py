@@ -5,7 +5,7 @@
 
 The conversations are synthetic multi-turn ShareGPT/OpenAI records (1-3 turns, a system prompt on a
 third of them) written to a temporary JSONL; the target is SmolLM2 unless --target says otherwise.
-Results go to docs/perf/data.md by hand, with the command, the machine and the date.
+Results go to docs/PERFORMANCE.md by hand, with the command, the machine and the date.
 """
 
 from __future__ import annotations

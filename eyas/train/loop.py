@@ -121,7 +121,11 @@ def _train(cfg, tc, run_dir: Path, source: TrainSource, resume: bool, info: dist
     draft.to(info.device)
     lm_head_weight = source.lm_head_weight.to(info.device)
     compile_step = tc.compile and info.device.type == "cuda"  # inductor on CPU costs more than it saves here
-    model = dist.wrap(TTTModule(draft, tc.ttt, tc.loss_decay, tc.features, attention=tc.attention,
+    attention = tc.attention
+    if attention == "flex" and info.device.type != "cuda":
+        print0(f"train.attention=flex needs CUDA (its backward has no CPU kernel); using dense on {info.device}")
+        attention = "dense"
+    model = dist.wrap(TTTModule(draft, tc.ttt, tc.loss_decay, tc.features, attention=attention,
                                 compile=compile_step), info, tc.fsdp)
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=tc.lr, betas=(0.9, 0.95), weight_decay=tc.weight_decay)
