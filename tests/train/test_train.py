@@ -55,7 +55,9 @@ def test_train_learns_and_writes_a_self_describing_run(tmp_path):
     assert on_disk == json.loads(json.dumps(summary))
     stream = synthetic_source().batcher(128, 0).stream(0, 0)
     assert on_disk["tokens"] == sum(int(next(stream)[2]["attention_mask"].sum()) for _ in range(20))
-    assert on_disk["wall_s"] > 0 and abs(on_disk["tokens_per_s"] / (on_disk["tokens"] / on_disk["wall_s"]) - 1) < 1e-3
+    # wall_s is written rounded to 1 ms, so the rate it implies is only that close
+    assert on_disk["wall_s"] > 0
+    assert abs(on_disk["tokens_per_s"] / (on_disk["tokens"] / on_disk["wall_s"]) - 1) < 1e-3 + 0.0006 / on_disk["wall_s"]
     assert on_disk["loss"] == records[-1]["loss"] and on_disk["acc_2"] == records[-1]["acc_2"]
     assert not list(tmp_path.glob("*.tmp")) and not list(tmp_path.glob(".*.tmp"))
 
