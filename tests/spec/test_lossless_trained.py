@@ -1,0 +1,124 @@
+"""Greedy lossless with a *trained* draft on SmolLM2 (fp32), chain and tree.
+
+The draft is trained by the real trainer (`eyas.train.train`) for a few tens of steps on eight short
+conversations whose answers are the target's own greedy continuations, prepared with the target's chat
+template (`eyas.data.template.ChatTemplate`, as `eyas prepare` does) and a draft vocabulary built from
+them (`eyas.data.vocab`); the features are captured once by `FeatureCapture` (an in-memory store).
+The checkpoint is read back with `eyas.export.load_draft`. Decoding the same prompts with `SpecEngine`
+must then (1) give exactly the target's plain greedy tokens and (2) accept clearly more than the same
+draft before training, so the test fails if training did nothing.
+"""
+
+import time
+
+import pytest
+import torch
+
+from eyas.spec.engine import SpecEngine
+
+QUESTIONS = [
+    "What is the capital of France?",
+    "Write a haiku about rain.",
+    "List three prime numbers.",
+    "What color is the sky?",
+    "Name a fruit that is yellow.",
+    "How many legs does a spider have?",
+    "Say hello in Spanish.",
+    "What is two plus two?",
+]
+NEW = 20  # new tokens per answer (training and decoding alike)
+DRAFT_VOCAB = 1024
+STEPS = 30
+SETTINGS = {"chain3": dict(steps=3), "tree2x3x6": dict(tree=(2, 3, 6))}
+
+
+@pytest.fixture(scope="module")
+def trained(smollm2, tmp_path_factory):
+    """Train a draft on the target's own greedy answers; returns everything the tests compare."""
+    from eyas.common import seed_all
+    from eyas.config import load_config
+    from eyas.data.template import ChatTemplate, stop_token_ids
+    from eyas.data.vocab import build_vocab, count_tokens
+    from eyas.export import load_draft
+    from eyas.target.capture import FeatureCapture
+    from eyas.train import TrainSource, train
+    from eyas.train.loop import build_draft
+
+    t0 = time.perf_counter()
+    tok = smollm2.tokenizer
+    template = ChatTemplate(tok, stop_token_ids(tok, smollm2.model.generation_config))
+    eos = template.stop_ids
+    plain = SpecEngine(smollm2.model)
+    prompts, answers, conversations = [], [], []
+    for q in QUESTIONS:
+        messages = [{"role": "user", "content": q}]
+        prompt = template.prompt_ids(messages)
+        answer = plain.plain_generate(prompt, NEW, eos_token_ids=eos).tokens
+        prompts.append(prompt)
+        answers.append(answer)
+        text = tok.decode(answer, skip_special_tokens=True)
+        conversations.append(messages + [{"role": "assistant", "content": text}])
+    t_ref = time.perf_counter()
+
+    # the prepare path: (ids, assistant loss mask) from the chat template, then the draft vocabulary
+    tokenized = template.tokenize_many(conversations)
+    for prompt, answer, t in zip(prompts, answers, tokenized):
+        assert not isinstance(t, Exception), t
+        # the prepared sample is the prompt the engine is given plus the answer the target writes
+        assert t.input_ids[:len(prompt)] == prompt and sum(t.loss_mask[:len(prompt)]) == 0
+        assert t.input_ids[len(prompt):len(prompt) + len(answer)] == answer
+    vocab = build_vocab(count_tokens(((t.input_ids, t.loss_mask) for t in tokenized), smollm2.vocab_size),
+                        DRAFT_VOCAB)
+
+    capture = FeatureCapture(smollm2)
+    samples = []
+    for i, t in enumerate(tokenized):
+        ids = torch.tensor([t.input_ids])
+        aux, final = capture(ids, torch.ones_like(ids, dtype=torch.bool))
+        samples.append({"sample_id": str(i), "input_ids": ids[0], "loss_mask": torch.tensor(t.loss_mask),
+                        "aux_hidden": aux[0].clone(), "final_hidden": final[0].clone()})
+    source = TrainSource(
+        samples=samples, lengths=[len(s["input_ids"]) for s in samples],
+        embed_weight=smollm2.embed_tokens.weight.detach(), lm_head_weight=smollm2.lm_head.weight.detach(),
+        target_config=smollm2.config.to_dict(), target=smollm2.identity, aux_layers=list(capture.aux_layers),
+        d2t=vocab["d2t"], t2d=vocab["t2d"], target_spec="smollm2")
+    t_cap = time.perf_counter()
+
+    longest = max(source.lengths)
+    cfg = load_config("demo", [f"train.steps={STEPS}", "train.ttt=3", "train.lr=3e-3", "train.warmup_steps=3",
+                               f"train.batch_tokens={longest * len(samples)}", "train.log_every=5",
+                               f"train.save_every={STEPS}", "train.keep_last=1", "train.dtype=fp32",
+                               "train.seed=0"])
+    run_dir = tmp_path_factory.mktemp("trained-draft")
+    summary = train(cfg, run_dir, source, device="cpu")
+    t_train = time.perf_counter()
+
+    draft, meta = load_draft(run_dir, embed_tokens=smollm2.embed_tokens.weight.detach())
+    assert meta["aux_layers"] == list(capture.aux_layers) and meta["ttt"] == 3
+    assert draft.cfg.draft_vocab_size == DRAFT_VOCAB and torch.equal(draft.t2d, vocab["t2d"])
+    # the untrained baseline: the very draft the trainer started from (same seed, same vocabulary)
+    seed_all(cfg.train.seed)
+    untrained = build_draft(source, cfg.train.features).eval()
+    print(f"\nrefs {t_ref - t0:.1f}s capture {t_cap - t_ref:.1f}s train {t_train - t_cap:.1f}s; "
+          f"loss {summary['loss']:.3f} acc {[round(summary[f'acc_{k}'], 2) for k in range(3)]}")
+    return dict(prompts=prompts, answers=answers, eos=eos, draft=draft.eval(), untrained=untrained,
+                aux=meta["aux_layers"], summary=summary)
+
+
+@pytest.mark.parametrize("name", list(SETTINGS))
+def test_trained_draft_is_lossless_and_accepts_more(smollm2, trained, name):
+    setting = SETTINGS[name]
+    taus = {}
+    for which in ("draft", "untrained"):
+        t0 = time.perf_counter()
+        engine = SpecEngine(smollm2.model, trained[which], trained["aux"])
+        cycles = accepted = 0
+        for prompt, answer in zip(trained["prompts"], trained["answers"]):
+            res = engine.generate(prompt, NEW, eos_token_ids=trained["eos"], **setting)
+            assert res.tokens == answer, (which, name, prompt)
+            cycles += res.num_cycles
+            accepted += sum(res.accepted_per_cycle)
+        taus[which] = (accepted + cycles) / cycles  # pooled tau: tokens per cycle
+        print(f"\n{name} {which}: tau {taus[which]:.2f} ({time.perf_counter() - t0:.1f}s)")
+    assert taus["draft"] >= 1.5, taus
+    assert taus["draft"] > taus["untrained"] + 0.3, taus
