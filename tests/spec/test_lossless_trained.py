@@ -26,9 +26,11 @@ QUESTIONS = [
     "Say hello in Spanish.",
     "What is two plus two?",
 ]
-NEW = 20  # new tokens per answer (training and decoding alike)
+NEW = 12  # new tokens decoded per prompt
+TRAIN_NEW = NEW + 3  # the training answers run a little further: a cut answer's last word may re-tokenize
 DRAFT_VOCAB = 1024
-STEPS = 30
+STEPS = 20
+BASELINE_PROMPTS = 2  # the untrained draft (tau about 1, so one target pass per token) decodes only the first few
 SETTINGS = {"chain3": dict(steps=3), "tree2x3x6": dict(tree=(2, 3, 6))}
 
 
@@ -53,11 +55,17 @@ def trained(smollm2, tmp_path_factory):
     for q in QUESTIONS:
         messages = [{"role": "user", "content": q}]
         prompt = template.prompt_ids(messages)
-        answer = plain.plain_generate(prompt, NEW, eos_token_ids=eos).tokens
+        answer = plain.plain_generate(prompt, TRAIN_NEW, eos_token_ids=eos).tokens
         prompts.append(prompt)
         answers.append(answer)
         text = tok.decode(answer, skip_special_tokens=True)
         conversations.append(messages + [{"role": "assistant", "content": text}])
+    # the reference does not rest on the engine alone: transformers' greedy generate agrees on one prompt
+    with torch.no_grad():
+        hf = smollm2.model.generate(torch.tensor([prompts[0]]), max_new_tokens=NEW, do_sample=False,
+                                    eos_token_id=None, pad_token_id=tok.pad_token_id)
+    head = answers[0][:NEW]  # ends at the first eos, where HF (told of no eos) goes on
+    assert hf[0, len(prompts[0]):len(prompts[0]) + len(head)].tolist() == head
     t_ref = time.perf_counter()
 
     # the prepare path: (ids, assistant loss mask) from the chat template, then the draft vocabulary
@@ -66,7 +74,8 @@ def trained(smollm2, tmp_path_factory):
         assert not isinstance(t, Exception), t
         # the prepared sample is the prompt the engine is given plus the answer the target writes
         assert t.input_ids[:len(prompt)] == prompt and sum(t.loss_mask[:len(prompt)]) == 0
-        assert t.input_ids[len(prompt):len(prompt) + len(answer)] == answer
+        head = answer[:NEW]
+        assert t.input_ids[len(prompt):len(prompt) + len(head)] == head
     vocab = build_vocab(count_tokens(((t.input_ids, t.loss_mask) for t in tokenized), smollm2.vocab_size),
                         DRAFT_VOCAB)
 
@@ -85,7 +94,7 @@ def trained(smollm2, tmp_path_factory):
     t_cap = time.perf_counter()
 
     longest = max(source.lengths)
-    cfg = load_config("demo", [f"train.steps={STEPS}", "train.ttt=3", "train.lr=3e-3", "train.warmup_steps=3",
+    cfg = load_config("demo", [f"train.steps={STEPS}", "train.ttt=3", "train.lr=4e-3", "train.warmup_steps=3",
                                f"train.batch_tokens={longest * len(samples)}", "train.log_every=5",
                                f"train.save_every={STEPS}", "train.keep_last=1", "train.dtype=fp32",
                                "train.seed=0"])
@@ -101,24 +110,32 @@ def trained(smollm2, tmp_path_factory):
     untrained = build_draft(source, cfg.train.features).eval()
     print(f"\nrefs {t_ref - t0:.1f}s capture {t_cap - t_ref:.1f}s train {t_train - t_cap:.1f}s; "
           f"loss {summary['loss']:.3f} acc {[round(summary[f'acc_{k}'], 2) for k in range(3)]}")
-    return dict(prompts=prompts, answers=answers, eos=eos, draft=draft.eval(), untrained=untrained,
-                aux=meta["aux_layers"], summary=summary)
+    return dict(prompts=prompts, answers=[a[:NEW] for a in answers], eos=eos, draft=draft.eval(),
+                untrained=untrained, aux=meta["aux_layers"], summary=summary)
+
+
+def pooled_tau(results) -> float:
+    """Tokens per cycle over several generations (accepted draft tokens + the bonus, per cycle)."""
+    cycles = sum(r.num_cycles for r in results)
+    return (sum(sum(r.accepted_per_cycle) for r in results) + cycles) / cycles
 
 
 @pytest.mark.parametrize("name", list(SETTINGS))
 def test_trained_draft_is_lossless_and_accepts_more(smollm2, trained, name):
     setting = SETTINGS[name]
-    taus = {}
-    for which in ("draft", "untrained"):
+    prompts, answers = trained["prompts"], trained["answers"]
+    results = {}
+    for which, count in (("draft", len(prompts)), ("untrained", BASELINE_PROMPTS)):
         t0 = time.perf_counter()
         engine = SpecEngine(smollm2.model, trained[which], trained["aux"])
-        cycles = accepted = 0
-        for prompt, answer in zip(trained["prompts"], trained["answers"]):
+        results[which] = []
+        for prompt, answer in zip(prompts[:count], answers[:count]):
             res = engine.generate(prompt, NEW, eos_token_ids=trained["eos"], **setting)
-            assert res.tokens == answer, (which, name, prompt)
-            cycles += res.num_cycles
-            accepted += sum(res.accepted_per_cycle)
-        taus[which] = (accepted + cycles) / cycles  # pooled tau: tokens per cycle
-        print(f"\n{name} {which}: tau {taus[which]:.2f} ({time.perf_counter() - t0:.1f}s)")
-    assert taus["draft"] >= 1.5, taus
-    assert taus["draft"] > taus["untrained"] + 0.3, taus
+            assert res.tokens == answer, (which, name, prompt)  # token for token the target's greedy output
+            results[which].append(res)
+        print(f"\n{name} {which}: tau {pooled_tau(results[which]):.2f} ({time.perf_counter() - t0:.1f}s)")
+    trained_tau = pooled_tau(results["draft"])
+    same_prompts = pooled_tau(results["draft"][:BASELINE_PROMPTS])
+    untrained_tau = pooled_tau(results["untrained"])
+    assert trained_tau >= 2.0, (trained_tau, untrained_tau)
+    assert same_prompts > untrained_tau + 0.5, (same_prompts, untrained_tau)
