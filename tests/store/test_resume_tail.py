@@ -32,7 +32,11 @@ def _run_and_kill(argv, store, after_shards, rng):
         deadline = time.time() + 120
         while _committed(store) < after_shards and proc.poll() is None and time.time() < deadline:
             time.sleep(0.01)
-        time.sleep(rng.uniform(0.0, 0.25))  # a random point: mid-forward, mid-write, or between shard and manifest
+        # a random point: mid-forward, mid-write, or between shard and manifest; but at most two more
+        # shards on, so that a fast machine cannot finish the capture before the kill
+        until = time.time() + rng.uniform(0.0, 0.25)
+        while time.time() < until and _committed(store) < after_shards + 2 and proc.poll() is None:
+            time.sleep(0.002)
         if proc.poll() is None:
             proc.send_signal(signal.SIGKILL)
     finally:
