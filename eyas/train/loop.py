@@ -36,6 +36,13 @@ class TTTModule(nn.Module):
         self.impl, self.attention = impl, attention
         # compile the per-step layer function, not the module: checkpoints keep the plain draft's keys
         self.step_fn = torch.compile(draft_step) if compile else None
+        if compile:
+            # each unrolled step is its own graph (step 0 has no diagonal keys, step k has k of them), plus
+            # the variants of the backward and of the last, shorter batch: dynamo's default limit of 8 graphs
+            # per function sent the later steps of K = 7 back to eager mode on the H200
+            import torch._dynamo as dynamo
+
+            dynamo.config.recompile_limit = max(dynamo.config.recompile_limit, 4 * (ttt + 1))
 
     def forward(self, batch: dict, lm_head_weight: torch.Tensor) -> TTTResult:
         return ttt_forward(self.draft, batch, lm_head_weight, self.ttt, self.loss_decay, self.features,
