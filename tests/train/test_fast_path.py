@@ -80,3 +80,19 @@ def test_dense_and_flex_attention_equal_the_reference(k):
     # FlexAttention has no CPU backward; its forward pins the block mask (the GPU test covers training)
     flex = flex_attention_step(q, k0, v0, dk, dv, d ** -0.5, ttt_block_mask(t, k, q.device))
     assert_close(flex, ref, rtol=1e-4, atol=1e-5)
+
+
+def test_compiling_the_step_leaves_room_for_every_unrolled_graph():
+    """Each TTT step is its own graph under torch.compile; with dynamo's default limit (8) the later steps
+    of K = 7 silently ran eagerly on the H200. Building the module must raise the limit."""
+    import torch._dynamo as dynamo
+
+    from eyas.train.loop import TTTModule
+
+    before = dynamo.config.recompile_limit
+    try:
+        dynamo.config.recompile_limit = 8
+        TTTModule(torch.nn.Module(), 7, 0.8, "fused", compile=True)
+        assert dynamo.config.recompile_limit >= 4 * 8
+    finally:
+        dynamo.config.recompile_limit = before
