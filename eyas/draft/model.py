@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from eyas.draft.cache import DraftCache
 from eyas.draft.config import DraftConfig
 
 
@@ -39,9 +40,14 @@ def rope_inv_freq(cfg: DraftConfig) -> torch.Tensor:
     return inv_freq.float()
 
 
-def rope_cos_sin(cfg: DraftConfig, position_ids: torch.Tensor, dtype: torch.dtype = torch.float32):
-    """cos, sin [B, T, head_dim] for integer positions [B, T] (computed in fp32, then cast)."""
-    inv_freq = rope_inv_freq(cfg).to(position_ids.device)  # [d/2]
+def rope_cos_sin(cfg: DraftConfig, position_ids: torch.Tensor, dtype: torch.dtype = torch.float32,
+                 inv_freq: torch.Tensor | None = None):
+    """cos, sin [B, T, head_dim] for integer positions [B, T] (computed in fp32, then cast).
+    `inv_freq`: `rope_inv_freq(cfg)` computed beforehand (e.g. a draft's `rotary.inv_freq`, already on
+    the device), so that no call builds it on the host and copies it over; None computes it here."""
+    if inv_freq is None:
+        inv_freq = rope_inv_freq(cfg)
+    inv_freq = inv_freq.to(position_ids.device)  # [d/2]; a no-op when it is there already
     freqs = position_ids.float()[..., None] * inv_freq  # [B, T, d/2]
     emb = torch.cat([freqs, freqs], dim=-1)  # [B, T, d]
     return emb.cos().to(dtype), emb.sin().to(dtype)
@@ -53,6 +59,27 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     half = x.shape[-1] // 2
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
     return x * cos + rotated * sin
+
+
+class RotaryEmbedding(nn.Module):
+    """`rope_inv_freq(cfg)` computed once per model: a non-persistent buffer (not in the state dict, so
+    the export keys are unchanged) that follows the model's device and stays exact fp32 whatever the
+    model's dtype (a cast to bf16 would round the frequencies, so they are recomputed instead)."""
+
+    def __init__(self, cfg: DraftConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
+
+    def _apply(self, fn, *args, **kwargs):
+        super()._apply(fn, *args, **kwargs)
+        device = self.inv_freq.device
+        if device.type != "meta":  # .to(dtype), .half(), to_empty(): recompute, exact, where it now lives
+            self.inv_freq = rope_inv_freq(self.cfg).to(device)
+        return self
+
+    def cos_sin(self, position_ids: torch.Tensor, dtype: torch.dtype = torch.float32):
+        return rope_cos_sin(self.cfg, position_ids, dtype, inv_freq=self.inv_freq)
 
 
 # ---------------------------------------------------------------- layers
@@ -91,11 +118,15 @@ class Attention(nn.Module):
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
     def forward(self, x, cos, sin, past_key_values=None, attention_mask=None):
+        """past_key_values: None, a DraftCache or a (k, v) tuple -> (out [B, T, H], DraftCache with the
+        new entries appended, written in place into its storage; see eyas/draft/cache.py)."""
         b, t, _ = x.shape
         q, k, v = self.qkv(x, cos, sin)
-        if past_key_values is not None:
-            k = torch.cat([past_key_values[0], k], dim=2)  # [B, nkv, S, d]
-            v = torch.cat([past_key_values[1], v], dim=2)
+        if past_key_values is None:
+            cache = DraftCache(k, v)
+        else:
+            cache = DraftCache.wrap(past_key_values).append(k, v)
+        k, v = cache.key, cache.value  # [B, nkv, S, d]
         s = k.shape[2]
         if attention_mask is None:  # causal over everything cached plus the new tokens
             attention_mask = torch.ones(t, s, dtype=torch.bool, device=x.device).tril(s - t)
@@ -105,7 +136,7 @@ class Attention(nn.Module):
         scores = scores.masked_fill(~attention_mask, float("-inf"))
         probs = scores.softmax(dim=-1).to(vr.dtype)
         out = (probs @ vr).transpose(1, 2).reshape(b, t, -1)  # [B, T, nh*d]
-        return self.o_proj(out), (k, v)
+        return self.o_proj(out), cache
 
 
 class MLP(nn.Module):
@@ -144,7 +175,7 @@ class DecoderLayer(nn.Module):
 class DraftOutput(NamedTuple):
     hidden_out: torch.Tensor  # [B, T, H] pre-norm, fed back as the next step's hidden input
     logits: torch.Tensor  # [B, T, Vd]
-    past_key_values: tuple  # (k, v), each [B, nkv, S, head_dim], new entries appended
+    past_key_values: DraftCache  # (k, v)-like, each [B, nkv, S, head_dim], new entries appended
 
 
 class Eagle3Draft(nn.Module):
@@ -165,6 +196,7 @@ class Eagle3Draft(nn.Module):
         t2d = torch.zeros(cfg.vocab_size, dtype=torch.bool)
         t2d[: cfg.draft_vocab_size] = True
         self.register_buffer("t2d", t2d)
+        self.rotary = RotaryEmbedding(cfg)  # inv_freq once, not per forward; no state-dict key
 
     def set_vocab(self, d2t: torch.Tensor, t2d: torch.Tensor) -> None:
         """Install the draft vocabulary (d2t offsets [Vd], t2d mask [V]) and check they agree."""
@@ -188,7 +220,7 @@ class Eagle3Draft(nn.Module):
     def forward(self, hidden, input_ids, position_ids, past_key_values=None, attention_mask=None) -> DraftOutput:
         layer = self.layers[0]
         embeds = self.embed_tokens(input_ids).to(hidden.dtype)  # [B, T, H]
-        cos, sin = rope_cos_sin(self.cfg, position_ids, hidden.dtype)
+        cos, sin = self.rotary.cos_sin(position_ids, hidden.dtype)
         x = layer.attn_input(embeds, hidden)  # [B, T, 2H]
         attn_out, past = layer.self_attn(x, cos, sin, past_key_values, attention_mask)
         hidden_out = layer.finish(hidden, attn_out)  # [B, T, H]

@@ -8,8 +8,10 @@ them to the host together with the target's verdict, in the cycle's single sync.
 committed token N that the target has not seen yet) and depth, nodes ordered so that parents come
 first and siblings by descending draft score; building it reads each level's top-k to the host once.
 
-Drafting appends entries to the draft cache; the engine rolls them back by slicing (the caller
-keeps N and cuts the cache to N before rebuilding it from real features). `positions` is a view of
+Drafting appends entries to the draft cache (an Eagle3Draft's DraftCache writes them in place into
+preallocated storage); the engine rolls them back by length with `crop_cache` (the caller keeps N and
+cuts the cache to N before rebuilding it from real features; nothing is copied). Drafts with the old
+interface, whose cache is a (k, v) tuple, are cut by slicing. `positions` is a view of
 a device buffer of position ids ([1, n], starting at N), so no step copies an index to the device.
 """
 
@@ -31,7 +33,19 @@ class Proposal:
         return len(self.tokens)
 
 
-def draft_chain(draft, cache, hidden, logits, positions, steps: int) -> tuple[torch.Tensor, tuple, int]:
+def cache_length(cache) -> int:
+    """Entries in a draft cache: a DraftCache (its length) or a (k, v) tuple [B, nkv, S, d]."""
+    length = getattr(cache, "length", None)
+    return cache[0].shape[2] if length is None else length
+
+
+def crop_cache(cache, n: int):
+    """The draft cache cut back to its first n entries: by length for a DraftCache, by slicing a tuple."""
+    crop = getattr(cache, "crop", None)
+    return (cache[0][:, :, :n], cache[1][:, :, :n]) if crop is None else crop(n)
+
+
+def draft_chain(draft, cache, hidden, logits, positions, steps: int) -> tuple[torch.Tensor, object, int]:
     """k greedy draft tokens. hidden [1,1,H] and logits [Vd] belong to the entry at position N-1;
     positions [1, >= k-1] holds N, N+1, ... -> (target ids [k] on the device, cache, tokens fed)."""
     tokens = []
@@ -68,7 +82,7 @@ def draft_tree(draft, cache, hidden, logits, positions, topk: int, depth: int, t
     draft's offset table as a host list (read once per generation), None for an identity vocabulary.
     """
     device = logits.device
-    past = cache[0].shape[2]
+    past = cache_length(cache)
     logp = torch.log_softmax(logits.float(), dim=-1)  # [Vd]
     top = logp.topk(min(topk, logp.numel()))
     # candidate pool, indexed by creation order: score, depth, parent pool index, draft id

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import torch
 
 from eyas.spec.accept import accept_sample, sample_token, walk_greedy
-from eyas.spec.drafting import draft_chain, draft_tree
+from eyas.spec.drafting import crop_cache, draft_chain, draft_tree
 from eyas.spec.target import Positions, TargetRunner, tree_mask
 
 
@@ -208,7 +208,7 @@ class SpecEngine:
                     kept = self._ids(accepted + [bonus])[0]
                     pending_dev = kept[-1:]
                     aux_kept = aux[:len(rows)] if steps is not None else aux[rows]
-                dcache = (dcache[0][:, :, :big_n], dcache[1][:, :, :big_n])
+                dcache = crop_cache(dcache, big_n)  # by length: the rebuild overwrites the drafted entries
                 hidden, dlogits, dcache = self._draft_forward(aux_kept, kept, pos.at(big_n, len(rows)), dcache)
                 self._split_sync()
                 res.draft_s += (t2 - t1) + (time.perf_counter() - t3)

@@ -78,3 +78,43 @@ def test_position_buffers_match_host_masks(past, new):
     pos = Positions(32, "cpu")
     assert torch.equal(pos.causal(past, new), causal_mask(past, new, "cpu"))
     assert pos.at(past, new).tolist() == [list(range(past, past + new))]
+
+
+class DraftCacheWatch(TorchFunctionMode):
+    """Inside the draft's forwards: torch.cat calls that build a [B, heads, S, d] tensor longer than the
+    forward's new tokens (a copy of the whole KV cache), and the storage each forward's cache lives in."""
+
+    def __init__(self, draft):
+        super().__init__()
+        self.new = None
+        self.full_copies = 0
+        self.stores = []
+        draft.register_forward_pre_hook(self._enter)
+        draft.register_forward_hook(self._leave)
+
+    def _enter(self, module, args):
+        self.new = args[1].shape[1]
+
+    def _leave(self, module, args, out):
+        self.new = None
+        self.stores.append(out.past_key_values.k_store.data_ptr())
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if self.new is not None and getattr(func, "__name__", "") in ("cat", "concat") and isinstance(out, torch.Tensor):
+            self.full_copies += out.dim() == 4 and out.shape[2] > self.new
+        return out
+
+
+@pytest.mark.parametrize("setting", [dict(steps=5), dict(tree=(4, 4, 12))])
+def test_draft_cache_is_extended_in_place(tiny_target, setting):
+    """No draft step copies its whole KV cache: entries are written into preallocated storage, rolled back
+    by length, and the storage is replaced only when full (a few times per generation, not per step)."""
+    draft, aux = draft_for(tiny_target)
+    engine = SpecEngine(tiny_target.model, draft, aux)
+    ref = SpecEngine(tiny_target.model).plain_generate(PROMPT, 60).tokens
+    with DraftCacheWatch(draft) as w:
+        res = engine.generate(PROMPT, 60, **setting)
+    assert res.tokens == ref
+    assert w.full_copies == 0
+    assert len(w.stores) >= 2 * res.num_cycles and len(set(w.stores)) <= 3, (len(w.stores), len(set(w.stores)))
