@@ -17,10 +17,9 @@ import time
 
 import torch
 
-from eyas.draft import DraftConfig, Eagle3Draft
 from eyas.spec.bench import encode_turn, parse_tree
 from eyas.spec.engine import SpecEngine
-from eyas.spec.oracle import ScriptedDraft
+from eyas.spec.oracle import ScriptedDraft, untrained_draft
 from eyas.spec.target import TargetRunner, causal_mask
 from eyas.target import load_target, resolve_aux_layers
 
@@ -54,15 +53,6 @@ def verify_cost(target, widths, context: int, reps: int) -> dict[int, float]:
         sync(target.device)
         out[w] = (time.perf_counter() - t0) / reps
     return out
-
-
-def random_draft(target, aux):
-    cfg = DraftConfig.from_target_config(target.config.to_dict(), draft_vocab_size=min(8192, target.vocab_size),
-                                         num_aux_layers=len(aux))
-    torch.manual_seed(0)
-    draft = Eagle3Draft(cfg).eval()
-    draft.embed_tokens.weight.data.copy_(target.embed_tokens.weight)
-    return draft.to(device=target.device, dtype=target.dtype)
 
 
 def run(fn, prompts, refs=None) -> tuple[float, float, bool, list]:
@@ -127,7 +117,7 @@ def main(argv=None) -> int:
     tps, _, _, _ = run(hf, prompts)  # min_new_tokens masks eos, so its text may differ after an eos
     rows.append(("transformers generate", tps, 1.0, None))
 
-    untrained = SpecEngine(target.model, random_draft(target, aux), aux)
+    untrained = SpecEngine(target.model, untrained_draft(target, min(8192, target.vocab_size))[0], aux)
     settings = [(f"chain-{k}", {"steps": int(k)}) for k in args.steps.split(",")]
     if args.tree:
         settings.append((f"tree-{args.tree.replace(',', 'x')}", {"tree": parse_tree(args.tree)}))

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from eyas.draft import DraftOutput
+from eyas.draft import DraftConfig, DraftOutput, Eagle3Draft
+from eyas.target import resolve_aux_layers
 
 
 class ScriptedDraft:
@@ -57,3 +58,24 @@ class ScriptedDraft:
 
 def always_wrong(sequence: list[int], vocab_size: int) -> ScriptedDraft:
     return ScriptedDraft(sequence, vocab_size, never_right=True)
+
+
+def untrained_draft(target, draft_vocab_size: int | None = None, target_ids: torch.Tensor | None = None,
+                    seed: int = 0) -> tuple[Eagle3Draft, list[int]]:
+    """A randomly initialised (seeded) EAGLE-3 draft for `target` with the target's embedding, on the
+    target's device and dtype, and the default aux layers: the untrained baseline of tests and benchmarks.
+
+    draft_vocab_size defaults to the target's vocabulary; `target_ids` ([Vd], ascending) gives the draft a
+    non-identity vocabulary (a real d2t offset table, as a trained draft has). -> (draft, aux layer ids).
+    """
+    aux = resolve_aux_layers(None, target.num_layers)
+    vd = draft_vocab_size or target.vocab_size
+    cfg = DraftConfig.from_target_config(target.config.to_dict(), draft_vocab_size=vd, num_aux_layers=len(aux))
+    torch.manual_seed(seed)
+    draft = Eagle3Draft(cfg).eval()
+    draft.embed_tokens.weight.data.copy_(target.embed_tokens.weight.detach().cpu())
+    if target_ids is not None:
+        t2d = torch.zeros(target.vocab_size, dtype=torch.bool)
+        t2d[target_ids] = True
+        draft.set_vocab(target_ids - torch.arange(vd), t2d)
+    return draft.to(device=target.device, dtype=target.dtype), aux

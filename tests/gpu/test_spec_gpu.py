@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from eyas.spec.engine import SpecEngine
-from eyas.spec.oracle import ScriptedDraft
+from eyas.spec.oracle import ScriptedDraft, untrained_draft
 from eyas.target import load_target, resolve_aux_layers
 
 pytestmark = pytest.mark.gpu
@@ -17,21 +17,11 @@ def chat_ids(target, text):
     return list(ids if isinstance(ids, list) else ids["input_ids"])
 
 
-def random_draft(target, aux):
-    from eyas.draft import DraftConfig, Eagle3Draft
-
-    cfg = DraftConfig.from_target_config(target.config.to_dict(), draft_vocab_size=8192, num_aux_layers=len(aux))
-    torch.manual_seed(0)
-    draft = Eagle3Draft(cfg).eval()
-    draft.embed_tokens.weight.data.copy_(target.embed_tokens.weight.cpu())
-    return draft.to(device=target.device, dtype=target.dtype)
-
-
 @pytest.mark.parametrize("setting", [dict(steps=5), dict(tree=(4, 5, 16))])
 def test_lossless_fp32_cuda(setting):
     target = load_target("smollm2", device="cuda", dtype="fp32")
     aux = resolve_aux_layers(None, target.num_layers)
-    engine = SpecEngine(target.model, random_draft(target, aux), aux)
+    engine = SpecEngine(target.model, untrained_draft(target, 8192)[0], aux)
     for q in QUESTIONS:
         ids = chat_ids(target, q)
         ref = engine.plain_generate(ids, 48).tokens
@@ -57,7 +47,7 @@ def test_no_sync_timing_is_lossless_and_plain_matches_generate_cuda():
     next forward is queued. Neither may change a token (fp32, so no near-tie flips)."""
     target = load_target("smollm2", device="cuda", dtype="fp32")
     aux = resolve_aux_layers(None, target.num_layers)
-    engine = SpecEngine(target.model, random_draft(target, aux), aux, sync_timing=False)
+    engine = SpecEngine(target.model, untrained_draft(target, 8192)[0], aux, sync_timing=False)
     ids = chat_ids(target, QUESTIONS[0])
     x = torch.tensor([ids], device="cuda")
     with torch.no_grad():

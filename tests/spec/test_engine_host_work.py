@@ -7,8 +7,8 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from eyas.spec.engine import SpecEngine
+from eyas.spec.oracle import untrained_draft
 from eyas.spec.target import Positions, causal_mask
-from eyas.target import resolve_aux_layers
 
 PROMPT = [1, 72, 101, 108, 108, 111, 32, 119, 111, 114, 108, 100, 2]
 READS = {"tolist", "item", "__int__", "__float__", "__bool__", "__index__"}
@@ -39,18 +39,8 @@ class Counter(TorchFunctionMode):
 
 
 def draft_for(target):
-    from eyas.draft import DraftConfig, Eagle3Draft
-
-    aux = resolve_aux_layers(None, target.num_layers)
-    cfg = DraftConfig.from_target_config(target.config.to_dict(), draft_vocab_size=200, num_aux_layers=len(aux))
-    torch.manual_seed(0)
-    draft = Eagle3Draft(cfg).eval()
-    draft.embed_tokens.weight.data.copy_(target.embed_tokens.weight)
     ids = torch.randperm(target.vocab_size, generator=torch.Generator().manual_seed(0))[:200].sort().values
-    t2d = torch.zeros(target.vocab_size, dtype=torch.bool)
-    t2d[ids] = True
-    draft.set_vocab(ids - torch.arange(200), t2d)  # a real d2t offset table
-    return draft, aux
+    return untrained_draft(target, 200, target_ids=ids)  # a real d2t offset table
 
 
 @pytest.mark.parametrize("setting, reads, builds", [

@@ -1,25 +1,12 @@
 """Speculative decoding on the tiny random target: classic cases, caches, sampling distribution."""
 
 import pytest
-import torch
 
 from eyas.spec.engine import SpecEngine
 from eyas.target import resolve_aux_layers
-from eyas.spec.oracle import ScriptedDraft, always_wrong
+from eyas.spec.oracle import ScriptedDraft, always_wrong, untrained_draft
 
 PROMPT = [1, 72, 101, 108, 108, 111, 32, 119, 111, 114, 108, 100, 2]
-
-
-def random_draft(target, seed=0):
-    from eyas.draft import DraftConfig, Eagle3Draft
-
-    aux = resolve_aux_layers(None, target.num_layers)
-    cfg = DraftConfig.from_target_config(target.config.to_dict(), draft_vocab_size=target.vocab_size,
-                                         num_aux_layers=len(aux))
-    torch.manual_seed(seed)
-    draft = Eagle3Draft(cfg).eval()
-    draft.embed_tokens.weight.data.copy_(target.embed_tokens.weight)
-    return draft, aux
 
 
 def greedy_reference(target, prompt, n):
@@ -67,7 +54,7 @@ def test_partially_right_draft_is_lossless(tiny_target, setting):
 
 @pytest.mark.parametrize("setting", [dict(steps=2), dict(steps=5), dict(tree=(4, 3, 12))])
 def test_random_draft_is_lossless(tiny_target, setting):
-    draft, aux = random_draft(tiny_target)
+    draft, aux = untrained_draft(tiny_target)
     n = 24
     res = SpecEngine(tiny_target.model, draft, aux).generate(PROMPT, n, **setting)
     assert res.tokens == greedy_reference(tiny_target, PROMPT, n)
@@ -95,7 +82,7 @@ def count_tokens(module):
 def test_per_cycle_cost_does_not_grow_with_context(tiny_target, setting):
     """Tokens fed to target and draft per cycle are the same after an 8- and a 400-token prompt:
     neither cache is ever recomputed from the start."""
-    draft, aux = random_draft(tiny_target)
+    draft, aux = untrained_draft(tiny_target)
     per_cycle = {}
     for length in (8, 400):
         prompt = (PROMPT * 40)[:length]

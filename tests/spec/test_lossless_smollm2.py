@@ -5,7 +5,7 @@ import torch
 
 from eyas.spec.engine import SpecEngine
 from eyas.target import resolve_aux_layers
-from eyas.spec.oracle import ScriptedDraft
+from eyas.spec.oracle import ScriptedDraft, untrained_draft
 
 QUESTIONS = ["What is the capital of France?", "Write a haiku about rain.", "List three prime numbers."]
 NEW = 12
@@ -32,19 +32,8 @@ def references(smollm2):
 
 @pytest.fixture(scope="module")
 def random_draft(smollm2):
-    from eyas.draft import DraftConfig, Eagle3Draft
-
-    aux = resolve_aux_layers(None, smollm2.num_layers)
-    cfg = DraftConfig.from_target_config(smollm2.config.to_dict(), draft_vocab_size=4096, num_aux_layers=len(aux))
-    torch.manual_seed(0)
-    draft = Eagle3Draft(cfg).eval()
-    draft.embed_tokens.weight.data.copy_(smollm2.embed_tokens.weight)
     # a non-identity vocabulary: every fourth target id (d2t offsets), as a trained draft would have
-    d2t = torch.arange(4096) * 3
-    t2d = torch.zeros(smollm2.vocab_size, dtype=torch.bool)
-    t2d[torch.arange(4096) * 4] = True
-    draft.set_vocab(d2t, t2d)
-    return draft, aux
+    return untrained_draft(smollm2, 4096, target_ids=torch.arange(4096) * 4)
 
 
 @pytest.mark.parametrize("setting", [dict(steps=3), dict(tree=(3, 3, 8))], ids=["chain3", "tree3x3x8"])
