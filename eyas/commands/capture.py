@@ -6,6 +6,8 @@ its own shards and rank 0 merges the manifest at the end.
 
 from __future__ import annotations
 
+from eyas.commands import flag_overrides
+
 HELP = "capture the target's hidden states at the aux layers into a packed store"
 
 
@@ -34,9 +36,7 @@ def config_from_args(args):
         sets.append(f"target.aux_layers={args.layers}")
     if args.device:
         sets.append(f"target.device={args.device}")
-    for flag, key in (("dtype", "dtype"), ("token_budget", "token_budget"), ("shard_tokens", "shard_tokens")):
-        if getattr(args, flag) is not None:
-            sets.append(f"capture.{key}={getattr(args, flag)}")
+    sets += flag_overrides(args, "capture", "dtype", "token_budget", "shard_tokens")
     return load_config(args.config, sets)
 
 

@@ -16,6 +16,8 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+from eyas.commands import flag_overrides
+
 SUMMARY = "summary.json"
 # the figures of a benchmark summary that summary.json repeats per result
 HEADLINE = ("tau_pooled", "tau_per_request", "speedup_vs_plain", "speedup_vs_hf", "tokens_per_s", "plain_tokens_per_s",
@@ -53,13 +55,9 @@ def _config(args):
         sets.append(f"eval.benches={','.join(args.bench)}")
     if args.tree is not None:
         sets.append(f"eval.tree={args.tree}")  # validated by the config; which settings run is _settings' call
-    for flag, key in (("temperature", "temperature"), ("max_new_tokens", "max_new_tokens"), ("limit", "limit")):
-        if getattr(args, flag) is not None:
-            sets.append(f"eval.{key}={getattr(args, flag)}")
+    sets += flag_overrides(args, "eval", "temperature", "max_new_tokens", "limit", "threads")
     if args.no_hf_baseline:
         sets.append("eval.hf_baseline=false")
-    if args.threads is not None:
-        sets.append(f"eval.threads={args.threads}")
     return load_config(args.config, sets)
 
 

@@ -14,6 +14,8 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+from eyas.commands import flag_overrides
+
 HELP = "conversations -> token ids, assistant loss masks and the draft vocabulary"
 EPILOG = """\
 writes into DIR:
@@ -62,11 +64,8 @@ def config_from_args(args):
     sets = list(args.set)
     if args.target:
         sets.append(f"target.spec={args.target}")
-    flags = {"format": "format", "max_length": "max_length", "on_long": "on_long", "strict": "strict",
-             "regenerate": "regenerate", "draft_vocab": "draft_vocab", "num_prompts": "num_prompts"}
-    for attr, key in flags.items():
-        if getattr(args, attr) is not None:
-            sets.append(f"data.{key}={getattr(args, attr)}")
+    sets += flag_overrides(args, "data", "format", "max_length", "on_long", "strict", "regenerate", "draft_vocab",
+                           "num_prompts")
     if args.data and args.regenerate is None and not any(x.startswith("data.regenerate=") for x in args.set):
         # the presets regenerate their built-in prompts; a user's own conversations keep their
         # responses unless --regenerate asks otherwise

@@ -14,6 +14,8 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+from eyas.commands import flag_overrides
+
 HELP = "train the EAGLE-3 draft with training-time test"
 
 
@@ -49,9 +51,7 @@ def config_from_args(args):
     sets = list(args.set)
     if args.target:
         sets.append(f"target.spec={args.target}")
-    for flag in ("steps", "epochs", "ttt", "lr"):
-        if getattr(args, flag) is not None:
-            sets.append(f"train.{flag}={getattr(args, flag)}")
+    sets += flag_overrides(args, "train", "steps", "epochs", "ttt", "lr")
     if args.steps is None and args.epochs is not None:
         sets.append("train.steps=0")
     return load_config(args.config, sets)
