@@ -84,7 +84,6 @@ def _set_threads(n: int) -> None:
 
 def main(args) -> int:
     from eyas.common import EyasError, print0
-    from eyas.spec.bench import bench_name, bench_one
     from eyas.target import load_target
 
     started = time.perf_counter()
@@ -97,27 +96,45 @@ def main(args) -> int:
     if out.suffix != ".json" or out.name == SUMMARY:
         raise EyasError(f"--out {out}: expected a path ending in .json (other than {SUMMARY}, which eval keeps "
                         f"beside the results)")
-    many = len(settings) * len(cfg.eval.benches) > 1
     target = load_target(cfg.target.spec, device=cfg.target.device, dtype=cfg.target.dtype)
     engine, info = build_engine(target, args.draft, cfg.target.aux_layers)
     print0(f"target {target.name} ({target.device}, {target.dtype}) | draft {args.draft} | aux layers {info['aux']} | "
            f"settings {', '.join(n for n, _ in settings)} | temperature {cfg.eval.temperature} | "
            f"max new tokens {cfg.eval.max_new_tokens}")
+    many = len(settings) * len(cfg.eval.benches) > 1
+
+    def result_path(bench: str, name: str) -> Path:
+        if args.out_dir:
+            return Path(args.out_dir) / f"{bench}-{name}.json"
+        return out.with_name(f"{out.stem}-{bench}-{name}.json" if many else out.name)
+
+    run_benches(cfg, engine, target, info, settings, str(args.draft), result_path, started,
+                hf=cfg.eval.hf_baseline, report=True)
+    return 0
+
+
+def run_benches(cfg, engine, target, info: dict, settings, draft: str, result_path, started: float,
+                hf: bool, report: bool = False) -> dict:
+    """Every benchmark of cfg.eval with every setting: RESULT.json + .png at `result_path(bench name,
+    setting)`, merged into summary.json beside them. -> {bench name: {setting: summary}}."""
+    from eyas.common import print0
+    from eyas.spec.bench import bench_name, bench_one
+
+    results = {}
     for bench in cfg.eval.benches:
         paths = {}
         for name, _ in settings:
-            if args.out_dir:
-                first = Path(args.out_dir) / f"{bench_name(bench)}-{name}.json"
-            else:
-                first = out.with_name(f"{out.stem}-{bench_name(bench)}-{name}.json" if many else out.name)
+            first = result_path(bench_name(bench), name)
             paths[(bench, name)] = (first, first.with_suffix(".png"))
             first.parent.mkdir(parents=True, exist_ok=True)
-        summaries = bench_one(engine, target, bench, settings, cfg.eval.temperature, cfg.eval.max_new_tokens,
-                              cfg.eval.limit, paths, hf=cfg.eval.hf_baseline,
-                              extra_settings={"draft": str(args.draft), "aux_layers": info["aux"]})
-        started = update_summary(bench, summaries, paths, cfg, str(args.draft), started)
-        print0(f"results: {', '.join(str(p[0]) for p in paths.values())}; summary {next(iter(paths.values()))[0].parent / SUMMARY}")
-    return 0
+        results[bench_name(bench)] = bench_one(engine, target, bench, settings, cfg.eval.temperature,
+                                               cfg.eval.max_new_tokens, cfg.eval.limit, paths, hf=hf,
+                                               extra_settings={"draft": draft, "aux_layers": info["aux"]})
+        started = update_summary(bench, results[bench_name(bench)], paths, cfg, draft, started)
+        if report:
+            print0(f"results: {', '.join(str(p[0]) for p in paths.values())}; "
+                   f"summary {next(iter(paths.values()))[0].parent / SUMMARY}")
+    return results
 
 
 def update_summary(bench: str, summaries: dict, paths: dict, cfg, draft: str, since: float) -> float:
@@ -166,7 +183,7 @@ def update_summary(bench: str, summaries: dict, paths: dict, cfg, draft: str, si
 def evaluate(cfg, draft_path, out_dir, target=None, hf: bool | None = None) -> dict:
     """Run every benchmark x setting of `cfg.eval` with the draft at `draft_path` (a run, step or export
     dir); write `out_dir/<bench>-<setting>.json|.png` and `out_dir/summary.json`. -> {bench: {setting: summary}}."""
-    from eyas.spec.bench import bench_name, bench_one, settings_of
+    from eyas.spec.bench import settings_of
     from eyas.target import load_target
 
     started = time.perf_counter()
@@ -182,15 +199,8 @@ def evaluate(cfg, draft_path, out_dir, target=None, hf: bool | None = None) -> d
         raise EyasError("nothing to evaluate: give eval.steps (chain lengths) and/or eval.tree")
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    results = {}
-    for bench in cfg.eval.benches:
-        paths = {(bench, n): (out_dir / f"{bench_name(bench)}-{n}.json", out_dir / f"{bench_name(bench)}-{n}.png")
-                 for n, _ in settings}
-        results[bench_name(bench)] = bench_one(engine, target, bench, settings, cfg.eval.temperature,
-                                               cfg.eval.max_new_tokens, cfg.eval.limit, paths, hf=hf,
-                                               extra_settings={"draft": str(draft_path), "aux_layers": meta["aux"]})
-        started = update_summary(bench, results[bench_name(bench)], paths, cfg, str(draft_path), started)
-    return results
+    return run_benches(cfg, engine, target, meta, settings, str(draft_path),
+                       lambda bench, name: out_dir / f"{bench}-{name}.json", started, hf=hf)
 
 
 def build_engine(target, draft_path, aux_layers=None) -> tuple[SpecEngine, dict]:
