@@ -40,6 +40,9 @@ def add_arguments(p) -> None:
     p.add_argument("--limit", type=int, help="prompts per benchmark (0 = all)")
     p.add_argument("--threads", type=int, help="torch CPU threads (on a busy machine 1 can be several times faster)")
     p.add_argument("--no-hf-baseline", action="store_true", help="do not time transformers generate")
+    p.add_argument("--no-cuda-graphs", action="store_true",
+                   help="on a GPU, decode greedy chains and plain text eagerly instead of replaying CUDA graphs "
+                        "(trees and sampling are always eager)")
     p.add_argument("--out", default="eval/result.json",
                    help="RESULT.json; with several benchmarks or settings, -BENCH-SETTING is added to the name")
     p.add_argument("--out-dir", help="write DIR/BENCH-SETTING.json and .png instead (the layout of a run's eval/)")
@@ -58,6 +61,8 @@ def _config(args):
     sets += flag_overrides(args, "eval", "temperature", "max_new_tokens", "limit", "threads")
     if args.no_hf_baseline:
         sets.append("eval.hf_baseline=false")
+    if args.no_cuda_graphs:
+        sets.append("eval.cuda_graphs=false")
     return load_config(args.config, sets)
 
 
@@ -97,8 +102,9 @@ def main(args) -> int:
         raise EyasError(f"--out {out}: expected a path ending in .json (other than {SUMMARY}, which eval keeps "
                         f"beside the results)")
     target = load_target(cfg.target.spec, device=cfg.target.device, dtype=cfg.target.dtype)
-    engine, info = build_engine(target, args.draft, cfg.target.aux_layers)
+    engine, info = build_engine(target, args.draft, cfg.target.aux_layers, cuda_graphs=cfg.eval.cuda_graphs)
     print0(f"target {target.name} ({target.device}, {target.dtype}) | draft {args.draft} | aux layers {info['aux']} | "
+           f"{'CUDA graphs for greedy chains and plain decoding' if engine.static else 'eager decoding'} | "
            f"settings {', '.join(n for n, _ in settings)} | temperature {cfg.eval.temperature} | "
            f"max new tokens {cfg.eval.max_new_tokens}")
     many = len(settings) * len(cfg.eval.benches) > 1
@@ -129,7 +135,8 @@ def run_benches(cfg, engine, target, info: dict, settings, draft: str, result_pa
             first.parent.mkdir(parents=True, exist_ok=True)
         results[bench_name(bench)] = bench_one(engine, target, bench, settings, cfg.eval.temperature,
                                                cfg.eval.max_new_tokens, cfg.eval.limit, paths, hf=hf,
-                                               extra_settings={"draft": draft, "aux_layers": info["aux"]})
+                                               extra_settings={"draft": draft, "aux_layers": info["aux"],
+                                                               "cuda_graphs": engine.static})
         started = update_summary(bench, results[bench_name(bench)], paths, cfg, draft, started)
         if report:
             print0(f"results: {', '.join(str(p[0]) for p in paths.values())}; "
@@ -191,7 +198,7 @@ def evaluate(cfg, draft_path, out_dir, target=None, hf: bool | None = None) -> d
     if target is None:
         target = load_target(cfg.target.spec, device=cfg.target.device, dtype=cfg.target.dtype)
     hf = cfg.eval.hf_baseline if hf is None else hf
-    engine, meta = build_engine(target, draft_path, cfg.target.aux_layers)
+    engine, meta = build_engine(target, draft_path, cfg.target.aux_layers, cuda_graphs=cfg.eval.cuda_graphs)
     from eyas.common import EyasError
 
     settings = settings_of(cfg.eval.steps, cfg.eval.tree)
@@ -203,10 +210,14 @@ def evaluate(cfg, draft_path, out_dir, target=None, hf: bool | None = None) -> d
                        lambda bench, name: out_dir / f"{bench}-{name}.json", started, hf=hf)
 
 
-def build_engine(target, draft_path, aux_layers=None) -> tuple[SpecEngine, dict]:
-    """Load a draft for `target` and check that it fits; -> (engine, {"aux": HF ids, "meta": draft meta})."""
+def build_engine(target, draft_path, aux_layers=None, cuda_graphs: bool = False) -> tuple[SpecEngine, dict]:
+    """Load a draft for `target` and check that it fits; -> (engine, {"aux": HF ids, "meta": draft meta}).
+    cuda_graphs: on a CUDA target, the engine's static path (graphs, one cycle queued ahead, so only the
+    total time is measured, not the draft/verify split); nothing changes on a CPU."""
     from eyas.common import EyasError, warn
     from eyas.export import load_draft
+    import torch
+
     from eyas.spec.engine import SpecEngine
     from eyas.target import resolve_aux_layers
 
@@ -224,4 +235,5 @@ def build_engine(target, draft_path, aux_layers=None) -> tuple[SpecEngine, dict]
     if len(aux) != dc.num_aux_layers:
         raise EyasError(f"draft {draft_path} fuses {dc.num_aux_layers} aux layers but {len(aux)} ids are known ({aux})")
     draft = draft.to(device=target.device, dtype=target.dtype)
-    return SpecEngine(target.model, draft, aux), {"aux": aux, "meta": meta}
+    static = cuda_graphs and torch.device(target.device).type == "cuda"
+    return SpecEngine(target.model, draft, aux, sync_timing=not static, static=static), {"aux": aux, "meta": meta}

@@ -13,6 +13,9 @@ x_N (known, not yet seen by the target):
 
 Greedy output equals plain greedy decoding of the target; sampling follows its distribution.
 Batch size 1. Times are wall-clock, synchronised on CUDA.
+
+With `static=True`, greedy chains and greedy plain decoding run with fixed shapes instead
+(graphs.py), replayed as CUDA graphs on a GPU; trees and sampling keep the dynamic path.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import torch
 
 from eyas.spec.accept import accept_sample, sample_token, walk_greedy
 from eyas.spec.drafting import crop_cache, draft_chain, draft_tree
+from eyas.spec.graphs import GraphDecoder
 from eyas.spec.target import Positions, TargetRunner, tree_mask
 
 
@@ -62,9 +66,12 @@ def _cut(tokens: list[int], max_new: int, eos: set[int]) -> list[int]:
 class SpecEngine:
     """A target model plus an EAGLE-3 draft (Eagle3Draft or anything with its interface)."""
 
-    def __init__(self, target_model, draft=None, aux_layers: list[int] | None = None, sync_timing: bool = True):
+    def __init__(self, target_model, draft=None, aux_layers: list[int] | None = None, sync_timing: bool = True,
+                 static: bool = False):
         """sync_timing: synchronise the device between drafting and verification, so that draft_s and
-        verify_s are exact on CUDA (False saves those waits; only total_s is then meaningful)."""
+        verify_s are exact on CUDA (False saves those waits; only total_s is then meaningful).
+        static: greedy chains and plain decoding with fixed shapes (graphs.py): CUDA graphs on a GPU,
+        the same passes eagerly elsewhere."""
         self.model = target_model
         self.draft = draft
         self.runner = TargetRunner(target_model, aux_layers if draft is not None else None)
@@ -73,6 +80,8 @@ class SpecEngine:
         self.draft_dtype = first.dtype if first is not None else None  # scripted drafts have no parameters
         self.draft_forward_tokens = 0
         self.sync_timing = sync_timing
+        self.static = static
+        self._decoder: GraphDecoder | None = None
         self._d2t = None
 
     def _sync(self) -> None:
@@ -83,6 +92,15 @@ class SpecEngine:
         """Synchronise between phases only when draft_s/verify_s are wanted (it costs device idle time)."""
         if self.sync_timing:
             self._sync()
+
+    def _static_decoder(self, need: int) -> GraphDecoder:
+        """The fixed-shape decoder, made again (and its graphs captured again) only when a generation
+        needs more than its capacity, which grows in steps of 1,024 tokens."""
+        if self._decoder is None or self._decoder.capacity < need:
+            self._decoder = None  # free the old buffers and graphs first
+            self._decoder = GraphDecoder(self.runner, self.draft, -(-need // 1024) * 1024,
+                                         graphs=self.device.type == "cuda")
+        return self._decoder
 
     def _ids(self, tokens) -> torch.Tensor:
         return torch.as_tensor(tokens, dtype=torch.long, device=self.device).view(1, -1)
@@ -133,6 +151,8 @@ class SpecEngine:
         prompt = self._ids(input_ids)
         eos = set(int(e) for e in eos_token_ids)
         n = prompt.shape[1]
+        if self.static and steps is not None and temperature == 0:
+            return self._static_chain(prompt, max_new_tokens, steps, eos)
         width = steps if steps is not None else max(tree[1], tree[2])  # verify width, draft positions
         res = GenResult(tokens=[])
         self.runner.attach()
@@ -221,6 +241,23 @@ class SpecEngine:
         res.tokens = _cut(res.tokens, max_new_tokens, eos)
         return res
 
+    def _static_chain(self, prompt: torch.Tensor, max_new_tokens: int, steps: int, eos: set[int]) -> GenResult:
+        res = GenResult(tokens=[])
+        self.runner.attach()
+        try:
+            dec = self._static_decoder(prompt.shape[1] + max_new_tokens + 3 * (steps + 1) + 1)
+            dec._chain_buffers(steps)  # captured before the clock starts (once per chain length)
+            self._sync()
+            t0 = time.perf_counter()
+            dec.chain(prompt, max_new_tokens, steps, eos, res, self.sync_timing)
+            self._sync()
+            res.total_s = time.perf_counter() - t0
+        finally:
+            self.runner.detach()
+        self.draft_forward_tokens += prompt.shape[1] + sum(res.draft_tokens_per_cycle)
+        res.tokens = _cut(res.tokens, max_new_tokens, eos)
+        return res
+
     # ------------------------------------------------------------------ plain
 
     @torch.no_grad()
@@ -236,8 +273,26 @@ class SpecEngine:
         eos = set(int(e) for e in eos_token_ids)
         n = prompt.shape[1]
         res = GenResult(tokens=[])
+        if self.static and temperature == 0:
+            dec = self._static_decoder(n + max_new_tokens + 3)
+            dec._plain_buffers()  # captured before the clock starts
+            self._sync()
+            t0 = time.perf_counter()
+            dec.plain(prompt, max_new_tokens, eos, res)
+        else:
+            self._sync()
+            t0 = time.perf_counter()
+            self._plain_dynamic(prompt, max_new_tokens, temperature, eos, generator, res, t0)
+        res.num_cycles = len(res.tokens) - 1
+        res.accepted_per_cycle = [0] * res.num_cycles
+        res.target_tokens_per_cycle = [1] * res.num_cycles
         self._sync()
-        t0 = time.perf_counter()
+        res.total_s = time.perf_counter() - t0
+        res.verify_s = res.total_s - res.prefill_s
+        return res
+
+    def _plain_dynamic(self, prompt, max_new_tokens, temperature, eos, generator, res, t0) -> None:
+        n = prompt.shape[1]
         capacity = n + max_new_tokens + 1
         cache = self.runner.new_cache(capacity)
         pos = Positions(capacity, self.device)
@@ -256,10 +311,3 @@ class SpecEngine:
             res.tokens.append(int(queued.pop(0)))
             if res.tokens[-1] in eos or len(res.tokens) >= max_new_tokens:
                 break
-        res.num_cycles = len(res.tokens) - 1
-        res.accepted_per_cycle = [0] * res.num_cycles
-        res.target_tokens_per_cycle = [1] * res.num_cycles
-        self._sync()
-        res.total_s = time.perf_counter() - t0
-        res.verify_s = res.total_s - res.prefill_s
-        return res

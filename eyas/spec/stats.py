@@ -73,8 +73,10 @@ def format_summary(name: str, s: dict) -> str:
         f"{name}: tau {s['tau_pooled']:.2f} pooled, {s['tau_per_request']:.2f} per request "
         f"({s['num_tokens']} tokens, {s['num_cycles']} cycles, {s['num_requests']} requests)",
         f"  acceptance by position: {pos}",
-        f"  {s['tokens_per_s']:.1f} tok/s | draft {s['draft_s']:.1f} s, verify {s['verify_s']:.1f} s, "
-        f"prefill {s['prefill_s']:.1f} s",
+        f"  {s['tokens_per_s']:.1f} tok/s | " + (f"draft {s['draft_s']:.1f} s, verify {s['verify_s']:.1f} s, "
+                                                 if s["draft_s"] or s["verify_s"] else
+                                                 "draft/verify split not timed (cycles queued ahead), ")
+        + f"prefill {s['prefill_s']:.1f} s",
     ]
     if "speedup_vs_plain" in s:
         line = f"  speedup {s['speedup_vs_plain']:.2f}x vs plain decoding ({s['plain_tokens_per_s']:.1f} tok/s)"

@@ -56,3 +56,55 @@ def test_no_sync_timing_is_lossless_and_plain_matches_generate_cuda():
     assert engine.plain_generate(ids, 40).tokens == hf
     for setting in (dict(steps=5), dict(tree=(4, 5, 16))):
         assert engine.generate(ids, 40, **setting).tokens == hf
+
+
+def test_cuda_graphs_lossless_and_same_as_eager_static():
+    """The static path replayed as CUDA graphs: plain and chains give the target's greedy tokens (fp32),
+    the same cycles as the same passes run eagerly, and a longer prompt grows the decoder once."""
+    from eyas.spec.graphs import GraphDecoder
+
+    target = load_target("smollm2", device="cuda", dtype="fp32")
+    aux = resolve_aux_layers(None, target.num_layers)
+    draft = untrained_draft(target, 8192)[0]
+    graphed = SpecEngine(target.model, draft, aux, sync_timing=False, static=True)
+    eager = SpecEngine(target.model, draft, aux, static=True)
+    for q in QUESTIONS:
+        ids = chat_ids(target, q)
+        ref = SpecEngine(target.model).plain_generate(ids, 48).tokens
+        assert graphed.plain_generate(ids, 48).tokens == ref
+        for k in (3, 5):
+            eager._decoder = GraphDecoder(eager.runner, draft, 1024, graphs=False)
+            want = eager.generate(ids, 48, steps=k)
+            got = graphed.generate(ids, 48, steps=k)
+            assert got.tokens == ref == want.tokens
+            assert got.accepted_per_cycle == want.accepted_per_cycle
+    assert graphed._decoder.graphs and graphed._decoder.capacity == 1024
+    long_ids = chat_ids(target, " ".join(["word"] * 1100))
+    ref = SpecEngine(target.model).plain_generate(long_ids, 16).tokens
+    assert graphed.generate(long_ids, 16, steps=3).tokens == ref
+    assert graphed._decoder.capacity == 2048
+
+
+def test_cuda_graphs_on_the_tiny_target():
+    """Capture and replay on the random tiny Llama (no model file needed): in fp32, plain and chain decoding
+    with graphs give the dynamic engine's greedy tokens; in bf16 (near-ties on a random model may flip
+    between differently shaped kernels) they give exactly what the same passes give run eagerly."""
+    from eyas.spec.graphs import GraphDecoder
+
+    for dtype in ("fp32", "bf16"):
+        target = load_target("tiny", device="cuda", dtype=dtype)
+        draft, aux = untrained_draft(target)
+        prompt = list(range(1, 40))
+        graphed = SpecEngine(target.model, draft, aux, sync_timing=False, static=True)
+        eager = SpecEngine(target.model, draft, aux, static=True)
+        eager._decoder = GraphDecoder(eager.runner, draft, 1024, graphs=False)
+        ref = SpecEngine(target.model).plain_generate(prompt, 64).tokens if dtype == "fp32" else \
+            eager.plain_generate(prompt, 64).tokens
+        assert graphed.plain_generate(prompt, 64).tokens == ref
+        for k in (1, 4):
+            want = eager.generate(prompt, 64, steps=k)
+            got = graphed.generate(prompt, 64, steps=k)
+            assert got.tokens == want.tokens, (dtype, k)
+            assert dtype == "bf16" or got.tokens == ref
+            assert got.accepted_per_cycle == want.accepted_per_cycle
+        assert graphed._decoder.graphs and not eager._decoder.graphs

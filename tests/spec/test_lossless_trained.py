@@ -139,3 +139,22 @@ def test_trained_draft_is_lossless_and_accepts_more(smollm2, trained, name):
     untrained_tau = pooled_tau(results["untrained"])
     assert trained_tau >= 2.0, (trained_tau, untrained_tau)
     assert same_prompts > untrained_tau + 0.5, (same_prompts, untrained_tau)
+
+
+@pytest.mark.parametrize("steps", [1, 3, 5])
+def test_static_path_matches_dynamic_engine(smollm2, trained, steps):
+    """The fixed-shape path (what runs as CUDA graphs on a GPU; eagerly here) against the dynamic engine,
+    with the trained draft: the same tokens (the target's greedy answer), the same acceptance cycle by
+    cycle (so the draft's cache and state after each rebuild are right), and plain decoding the same."""
+    dynamic = SpecEngine(smollm2.model, trained["draft"], trained["aux"])
+    static = SpecEngine(smollm2.model, trained["draft"], trained["aux"], static=True)
+    accepted = 0
+    for prompt, answer in zip(trained["prompts"], trained["answers"]):
+        want = dynamic.generate(prompt, NEW, eos_token_ids=trained["eos"], steps=steps)
+        got = static.generate(prompt, NEW, eos_token_ids=trained["eos"], steps=steps)
+        assert got.tokens == answer == want.tokens
+        assert got.accepted_per_cycle == want.accepted_per_cycle, prompt
+        accepted += sum(got.accepted_per_cycle)
+        assert static.plain_generate(prompt, NEW, eos_token_ids=trained["eos"]).tokens == answer
+    assert accepted > 0  # the comparison saw real acceptances, not only rejections
+    assert static._decoder.capacity == 1024 and not static._decoder.graphs  # one decoder; no graphs on a CPU

@@ -1,0 +1,327 @@
+"""Greedy decoding with fixed shapes, replayed as CUDA graphs: plain decoding and EAGLE-3 chains.
+
+Eagerly, a small target is bound by the host: each of SmolLM2's 30 layers is a dozen kernel launches
+and each launch some microseconds of Python and driver work, so a forward costs far more on the host
+than on the GPU. A CUDA graph records the launches once and replays them with one call. A graph fixes
+every shape and every address, so in this path everything has one:
+
+- the target's KV cache has a fixed capacity C; a forward writes its T entries at the slots named by a
+  device tensor (slot = position) and attends over all C slots with the mask `slot <= position`;
+- the committed length n and the last cycle's accepted count a live in device scalars; the graphs
+  update them themselves (n += a + 1), so the host never has to wait for the device to go on;
+- the draft's cache works the same way (fixed storage, writes at device slots, full-width masks);
+- results land in buffers allocated before capture, never in a graph's private pool (whose memory a
+  replay reuses), and reach the host through pinned memory and an event per read, one cycle late: the
+  host queues cycle c + 1 before it reads cycle c, so the GPU does not idle while the host decides.
+
+Three graphs per chain length k: `chain` (k draft tokens from the draft's last state), `verify` (the
+target over the pending token and the k drafted ones, then the greedy acceptance on the device:
+a = how many leading drafts equal the target's argmax) and `rebuild` (the draft fed the real aux
+states of the k + 1 verified positions; its state is taken at row a). Rebuilding all k + 1 rows, not
+just the a + 1 kept ones, keeps the shape fixed: rows after a see only their past (causal), and their
+cache slots are overwritten before any later query can see them. Plain decoding is one graph per token.
+
+The host keeps an upper bound of the device's n and never queues a pass that could write past C.
+Cycles queued after the end of the text (one at most, or two plain steps) are dropped unread; their
+time counts in `total_s`, as it does for a serving engine that runs ahead.
+
+On a CPU, or with graphs off, the same functions run eagerly (same buffers, same order), which is
+how the tests check this path against the dynamic engine without a GPU. Greedy only: sampling and
+trees use the dynamic engine.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from eyas.draft.cache import DraftCache
+from eyas.spec.target import KVCache, TargetRunner, cache_geometry
+
+
+class StaticKVCache(KVCache):
+    """The target's cache with writes at device slots (`self.slots`, set before each forward) and reads
+    of the whole capacity; the caller's mask hides what a query may not see."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.slots: torch.Tensor | None = None
+
+    def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
+        self.keys[layer_idx].index_copy_(2, self.slots, key_states)
+        self.values[layer_idx].index_copy_(2, self.slots, value_states)
+        return self.keys[layer_idx], self.values[layer_idx]
+
+
+class StaticDraftCache(DraftCache):
+    """The draft's cache with writes at device slots and reads of the whole storage (see above)."""
+
+    __slots__ = ("slots",)
+
+    def __init__(self, k_store: torch.Tensor, v_store: torch.Tensor):
+        super().__init__(k_store, v_store)
+        self.slots: torch.Tensor | None = None
+
+    @property
+    def key(self) -> torch.Tensor:
+        return self.k_store
+
+    @property
+    def value(self) -> torch.Tensor:
+        return self.v_store
+
+    def append(self, k: torch.Tensor, v: torch.Tensor) -> "StaticDraftCache":
+        self.k_store.index_copy_(2, self.slots, k)
+        self.v_store.index_copy_(2, self.slots, v)
+        return self
+
+
+class _Step:
+    """`fn` (which writes its results into persistent buffers) captured as a CUDA graph and replayed,
+    or simply called when graphs are off."""
+
+    def __init__(self, fn, device: torch.device, graphs: bool):
+        self.fn, self.graph = fn, None
+        if not graphs:
+            return
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):
+            for _ in range(2):  # lazy initialisation (cuBLAS workspaces, kernels) must happen outside capture
+                fn()
+        torch.cuda.current_stream(device).wait_stream(side)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            fn()
+
+    def __call__(self) -> None:
+        if self.graph is None:
+            self.fn()
+        else:
+            self.graph.replay()
+
+
+class _Reads:
+    """Small device results copied to pinned host memory without waiting, read back later in order."""
+
+    def __init__(self, width: int, device: torch.device, slots: int = 4):
+        self.cuda = device.type == "cuda"
+        self.host = torch.zeros(slots, width, dtype=torch.long, pin_memory=self.cuda)
+        self.events = [None] * slots
+
+    def push(self, i: int, src: torch.Tensor) -> None:
+        s = i % len(self.events)
+        self.host[s].copy_(src, non_blocking=self.cuda)
+        if self.cuda:
+            self.events[s] = torch.cuda.Event()
+            self.events[s].record()
+
+    def get(self, i: int) -> list[int]:
+        s = i % len(self.events)
+        if self.cuda:
+            self.events[s].synchronize()
+        return self.host[s].tolist()
+
+
+class GraphDecoder:
+    """Static buffers of capacity C for one target (and optionally one Eagle3Draft), and the graphs
+    over them, captured on first use per chain length. Made by SpecEngine; see the module docstring."""
+
+    def __init__(self, runner: TargetRunner, draft, capacity: int, graphs: bool):
+        model = runner.model
+        p = next(model.parameters())
+        self.device, self.runner, self.draft, self.capacity = p.device, runner, draft, capacity
+        self.dtype, self.hidden_size = p.dtype, model.config.hidden_size
+        self.graphs = graphs and self.device.type == "cuda"
+        dev = self.device
+        self.cache = StaticKVCache(*cache_geometry(model.config), capacity, p.dtype, dev)
+        self.cols = torch.arange(capacity, device=dev)  # slot indices
+        self.n = torch.zeros((), dtype=torch.long, device=dev)  # committed length = position of the pending token
+        self.a = torch.zeros((), dtype=torch.long, device=dev)  # drafts accepted by the last verification
+        self.steps: dict = {}
+        if draft is not None:
+            if not hasattr(draft, "cfg"):
+                raise ValueError("the static (CUDA graph) path needs an Eagle3Draft, not a scripted draft")
+            dc = draft.cfg
+            self.ddtype = next(draft.parameters()).dtype
+            store = torch.zeros(1, dc.num_key_value_heads, capacity, dc.head_dim, dtype=self.ddtype, device=dev)
+            self.dcache = StaticDraftCache(store, store.clone())
+            self.hidden = torch.zeros(1, 1, dc.hidden_size, dtype=self.ddtype, device=dev)  # the draft's last state
+            self.dlogits = torch.zeros(dc.draft_vocab_size, dtype=self.ddtype, device=dev)
+
+    # ---------------------------------------------------------------- passes (traced into graphs)
+
+    def _target(self, ids: torch.Tensor, positions: torch.Tensor, aux: bool, last_only: bool = False):
+        """The target over ids [1, T] at positions [T] (= slots), attending to every slot <= its position."""
+        self.cache.slots = positions
+        mask = (self.cols[None, :] <= positions[:, None])[None, None]  # [1, 1, T, C]
+        return self.runner.forward(self.cache, ids, positions[None], mask, last_only=last_only, aux=aux)
+
+    def _draft(self, hidden: torch.Tensor, ids: torch.Tensor, positions: torch.Tensor):
+        """The draft over (hidden [1, T, H], ids [1, T]) at positions [T] (= slots)."""
+        self.dcache.slots = positions
+        mask = self.cols[None, :] <= positions[:, None]  # [T, C]
+        return self.draft(hidden, ids, positions[None], past_key_values=self.dcache, attention_mask=mask)
+
+    def _chain_buffers(self, k: int) -> dict:
+        if ("chain", k) in self.steps:
+            return self.steps[("chain", k)]
+        dev = self.device
+        b = {"ids": torch.zeros(1, k + 1, dtype=torch.long, device=dev),  # pending + drafted: the verify input
+             "best": torch.zeros(k + 1, dtype=torch.long, device=dev),  # the target's argmax per row
+             "aux": torch.zeros(k + 1, len(self.runner.aux_layers) * self.hidden_size, dtype=self.dtype, device=dev),
+             "read": torch.zeros(2 * k + 2, dtype=torch.long, device=dev),  # drafted, argmax, a: the host's read
+             "rows": torch.arange(k + 1, device=dev)}
+        r = self.runner
+        r.attach()  # the verify pass needs the aux hooks while it is traced
+        self.n.zero_()  # capture runs each pass three times from n = 0: slots stay inside the cache
+        self.a.zero_()
+
+        def chain():
+            hidden, logits = self.hidden, self.dlogits
+            for i in range(k):
+                tok = self.draft.to_target_ids(logits.argmax(-1, keepdim=True))  # [1]
+                b["ids"][0, i + 1:i + 2].copy_(tok)
+                if i == k - 1:
+                    break
+                out = self._draft(hidden, tok.view(1, 1), (self.n + i).view(1))
+                hidden, logits = out.hidden_out[:, -1:], out.logits[0, -1]
+
+        def verify():
+            logits, aux = self._target(b["ids"], self.n + b["rows"], aux=True)
+            best = logits.argmax(-1)  # [k + 1]
+            drafted = b["ids"][0, 1:]
+            self.a.copy_((drafted == best[:k]).long().cumprod(0).sum())
+            b["best"].copy_(best)
+            b["aux"].copy_(aux)
+            b["read"][:k].copy_(drafted)
+            b["read"][k:2 * k + 1].copy_(best)
+            b["read"][2 * k + 1:].copy_(self.a.view(1))
+
+        def rebuild():
+            fused = self.draft.fuse(b["aux"].to(self.ddtype))[None]  # [1, k + 1, H]
+            out = self._draft(fused, b["best"].view(1, -1), self.n + b["rows"])
+            row = self.a.view(1)
+            self.hidden.copy_(out.hidden_out.index_select(1, row))
+            self.dlogits.copy_(out.logits[0].index_select(0, row)[0])
+            b["ids"][0, :1].copy_(b["best"].index_select(0, row))  # the bonus token is the next pending one
+            self.n.add_(self.a + 1)
+
+        counted = r.forward_tokens
+        b["chain"], b["verify"], b["rebuild"] = (_Step(f, self.device, self.graphs) for f in (chain, verify, rebuild))
+        r.forward_tokens = counted  # capture ran the passes; only real replays count
+        self.steps[("chain", k)] = b
+        return b
+
+    def _plain_buffers(self) -> dict:
+        if "plain" in self.steps:
+            return self.steps["plain"]
+        b = {"ids": torch.zeros(1, 1, dtype=torch.long, device=self.device)}
+        self.n.zero_()
+
+        def step():
+            logits, _ = self._target(b["ids"], self.n.view(1), aux=False)
+            b["ids"].copy_(logits.argmax(-1).view(1, 1))
+            self.n.add_(1)
+
+        counted = self.runner.forward_tokens
+        b["step"] = _Step(step, self.device, self.graphs)
+        self.runner.forward_tokens = counted
+        self.steps["plain"] = b
+        return b
+
+    # ---------------------------------------------------------------- prefill (eager: its length varies)
+
+    def _prefill(self, prompt: torch.Tensor, with_draft: bool) -> torch.Tensor:
+        """Fill both caches with the prompt [1, n]; -> the first new token [1] (on the device)."""
+        n = prompt.shape[1]
+        if n + 1 > self.capacity:
+            raise RuntimeError(f"prompt of {n} tokens does not fit a static cache of {self.capacity}")
+        positions = self.cols[:n]
+        logits, aux = self._target(prompt, positions, aux=with_draft, last_only=True)
+        pending = logits[-1].argmax(-1, keepdim=True)  # [1]
+        if with_draft:
+            out = self._draft(self.draft.fuse(aux.to(self.ddtype))[None], torch.cat([prompt[0, 1:], pending])[None],
+                              positions)
+            self.hidden.copy_(out.hidden_out[:, -1:])
+            self.dlogits.copy_(out.logits[0, -1])
+        self.n.fill_(n)
+        self.cache.length = n
+        return pending
+
+    # ---------------------------------------------------------------- generation
+
+    def plain(self, prompt: torch.Tensor, max_new: int, eos: set[int], res) -> None:
+        """Greedy plain decoding into `res` (a GenResult): two steps queued ahead of the host's reads."""
+        b = self._plain_buffers()
+        t0 = time.perf_counter()
+        n = prompt.shape[1]
+        if n + max_new + 3 > self.capacity:
+            raise RuntimeError(f"{n} + {max_new} tokens do not fit a static cache of {self.capacity}")
+        reads = _Reads(1, self.device)
+        b["ids"].copy_(self._prefill(prompt, False).view(1, 1))
+        reads.push(0, b["ids"][0])
+        launched, ahead = 1, 2 if self.graphs else 0
+        while True:
+            while launched < min(len(res.tokens) + 1 + ahead, max_new):
+                b["step"]()
+                reads.push(launched, b["ids"][0])
+                launched += 1
+            res.tokens.append(reads.get(len(res.tokens))[0])
+            if len(res.tokens) == 1:
+                res.prefill_s = time.perf_counter() - t0
+            if res.tokens[-1] in eos or len(res.tokens) >= max_new:
+                break
+        self.runner.forward_tokens += launched - 1  # the prefill counted itself
+
+    def chain(self, prompt: torch.Tensor, max_new: int, k: int, eos: set[int], res, sync_timing: bool) -> None:
+        """Greedy EAGLE-3 chain decoding into `res`: one cycle queued ahead of the host's read, or none
+        (and a synchronisation between the phases) when `sync_timing` asks for exact draft/verify times."""
+        b = self._chain_buffers(k)
+        t0 = time.perf_counter()
+        n = prompt.shape[1]
+        ahead = 0 if (sync_timing or not self.graphs) else 1
+        if n + max_new + (ahead + 2) * (k + 1) + 1 > self.capacity:
+            raise RuntimeError(f"{n} + {max_new} tokens and chains of {k} do not fit a static cache of {self.capacity}")
+        reads = _Reads(2 * k + 2, self.device)
+        pending = self._prefill(prompt, True)
+        b["ids"][0, :1].copy_(pending)
+        res.tokens.append(int(pending))
+        res.prefill_s = time.perf_counter() - t0
+        sync = sync_timing and self.device.type == "cuda"
+        launched = done = 0
+        while True:
+            while launched <= done + ahead and len(res.tokens) + launched - done < max_new:
+                t1 = time.perf_counter()
+                b["chain"]()
+                if sync:
+                    torch.cuda.synchronize(self.device)
+                t2 = time.perf_counter()
+                b["verify"]()
+                if sync:
+                    torch.cuda.synchronize(self.device)
+                t3 = time.perf_counter()
+                b["rebuild"]()
+                reads.push(launched, b["read"])
+                if sync:
+                    torch.cuda.synchronize(self.device)
+                if sync or not self.graphs:  # queued graphs return at once: their phases cannot be timed
+                    res.draft_s += (t2 - t1) + (time.perf_counter() - t3)
+                    res.verify_s += t3 - t2
+                launched += 1
+            if done == launched:  # nothing queued: max_new reached
+                break
+            got = reads.get(done)
+            done += 1
+            drafted, best, a = got[:k], got[k:2 * k + 1], got[2 * k + 1]
+            before = len(res.tokens)
+            res.tokens.extend(drafted[:a] + [best[a]])
+            res.num_cycles += 1
+            res.accepted_per_cycle.append(a)
+            res.accepted_depths.append(k)
+            res.target_tokens_per_cycle.append(k + 1)
+            res.draft_tokens_per_cycle.append(2 * k)
+            if len(res.tokens) >= max_new or any(t in eos for t in res.tokens[before:]):
+                break
+        self.runner.forward_tokens += launched * (k + 1)  # the prefill counted itself
