@@ -54,3 +54,13 @@ def test_subcommand_help_describes_outputs():
     assert out.returncode == 0
     for name in ("dataset/", "vocab.safetensors", "prepare.json", "summary.json", "exit status"):
         assert name in out.stdout, name
+
+
+def test_run_checks_the_benchmarks_before_the_first_stage(tmp_path):
+    """A benchmark the eval stage could not read ends `eyas run` at once, before any stage has run (the
+    H200 run once regenerated, captured and trained for 16 minutes, then failed at eval on a missing wheel)."""
+    run_dir = tmp_path / "run"
+    out = run("run", "--preset", "tiny", "--run-dir", str(run_dir), "--set", f"eval.benches={tmp_path / 'nope.jsonl'}")
+    assert out.returncode != 0
+    assert "nope.jsonl" in out.stderr + out.stdout and "is not mt-bench, humaneval or an existing JSONL file" in out.stderr + out.stdout
+    assert not (run_dir / "prepared").exists() and not (run_dir / "stages.json").exists()

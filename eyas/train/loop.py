@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from eyas.common import EyasError, print0, seed_all
+from eyas.common import EyasError, print0, seed_all, warn
 from eyas.config import RunConfig
 from eyas.draft import DraftConfig, Eagle3Draft
 from eyas.train import checkpoint as ckpt
@@ -158,6 +158,9 @@ def _train(cfg, tc, run_dir: Path, source: TrainSource, resume: bool, info: dist
     # ---- loop
     print0(f"training {total_steps} steps ({batches_per_epoch} batches/epoch/rank, {info.world_size} rank(s), "
            f"grad_accum {tc.grad_accum}, {tc.batch_tokens} tokens/micro-batch) -> {run_dir}")
+    if tc.warmup_steps * 4 > total_steps and info.rank == 0:
+        warn(f"train.warmup_steps={tc.warmup_steps} is {tc.warmup_steps / total_steps:.0%} of the {total_steps} steps: "
+             f"the learning rate reaches train.lr only near the end; about 5-10 % of the steps is usual")
     window = _Window(tc.ttt)
     t_start = time.perf_counter() - state["elapsed_s"]
     while state["step"] < total_steps:
