@@ -172,7 +172,8 @@ class GraphDecoder:
              "best": torch.zeros(k + 1, dtype=torch.long, device=dev),  # the target's argmax per row
              "aux": torch.zeros(k + 1, len(self.runner.aux_layers) * self.hidden_size, dtype=self.dtype, device=dev),
              "read": torch.zeros(2 * k + 2, dtype=torch.long, device=dev),  # drafted, argmax, a: the host's read
-             "rows": torch.arange(k + 1, device=dev)}
+             "rows": torch.arange(k + 1, device=dev),
+             "reads": _Reads(2 * k + 2, dev)}  # pinned once per decoder, not per generation
         r = self.runner
         r.attach()  # the verify pass needs the aux hooks while it is traced
         self.n.zero_()  # capture runs each pass three times from n = 0: slots stay inside the cache
@@ -217,7 +218,7 @@ class GraphDecoder:
     def _plain_buffers(self) -> dict:
         if "plain" in self.steps:
             return self.steps["plain"]
-        b = {"ids": torch.zeros(1, 1, dtype=torch.long, device=self.device)}
+        b = {"ids": torch.zeros(1, 1, dtype=torch.long, device=self.device), "reads": _Reads(1, self.device)}
         self.n.zero_()
 
         def step():
@@ -259,7 +260,7 @@ class GraphDecoder:
         n = prompt.shape[1]
         if n + max_new + 3 > self.capacity:
             raise RuntimeError(f"{n} + {max_new} tokens do not fit a static cache of {self.capacity}")
-        reads = _Reads(1, self.device)
+        reads = b["reads"]
         b["ids"].copy_(self._prefill(prompt, False).view(1, 1))
         reads.push(0, b["ids"][0])
         launched, ahead = 1, 2 if self.graphs else 0
@@ -284,7 +285,7 @@ class GraphDecoder:
         ahead = 0 if (sync_timing or not self.graphs) else 1
         if n + max_new + (ahead + 2) * (k + 1) + 1 > self.capacity:
             raise RuntimeError(f"{n} + {max_new} tokens and chains of {k} do not fit a static cache of {self.capacity}")
-        reads = _Reads(2 * k + 2, self.device)
+        reads = b["reads"]
         pending = self._prefill(prompt, True)
         b["ids"][0, :1].copy_(pending)
         res.tokens.append(int(pending))
