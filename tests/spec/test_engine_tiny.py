@@ -114,3 +114,21 @@ def test_other_families_are_lossless(kind):
     for setting in (dict(steps=3), dict(tree=(2, 3, 6))):
         res = SpecEngine(target.model, draft, aux).generate(PROMPT, 16, **setting)
         assert res.tokens == ref and res.tau > 1.5
+
+
+def test_static_path_grows_its_capacity_and_stays_lossless(tiny_target):
+    """The fixed-shape path (eager on a CPU) sizes its caches in steps of 1,024 tokens: a prompt longer
+    than the current capacity makes a larger decoder once, and the tokens stay the target's greedy ones
+    for chains, plain decoding and a short prompt after the long one (buffers reused across generations)."""
+    draft, aux = untrained_draft(tiny_target)
+    engine = SpecEngine(tiny_target.model, draft, aux, static=True)
+    short = PROMPT
+    long = (PROMPT * 90)[:1050]
+    for prompt, capacity in ((short, 1024), (long, 2048), (short, 2048)):
+        ref = greedy_reference(tiny_target, prompt, 20)
+        assert engine.generate(prompt, 20, steps=3).tokens == ref
+        assert engine.plain_generate(prompt, 20).tokens == ref
+        assert engine._decoder.capacity == capacity
+    with pytest.raises(ValueError, match="Eagle3Draft"):
+        SpecEngine(tiny_target.model, ScriptedDraft(PROMPT, tiny_target.vocab_size), aux, static=True).generate(
+            PROMPT, 8, steps=2)
