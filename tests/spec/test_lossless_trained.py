@@ -141,7 +141,7 @@ def test_trained_draft_is_lossless_and_accepts_more(smollm2, trained, name):
     assert same_prompts > untrained_tau + 0.5, (same_prompts, untrained_tau)
 
 
-@pytest.mark.parametrize("steps", [1, 3, 5])
+@pytest.mark.parametrize("steps", [1, 5])
 def test_static_path_matches_dynamic_engine(smollm2, trained, steps):
     """The fixed-shape path (what runs as CUDA graphs on a GPU; eagerly here) against the dynamic engine,
     with the trained draft: the same tokens (the target's greedy answer), the same acceptance cycle by
