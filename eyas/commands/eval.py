@@ -216,8 +216,6 @@ def build_engine(target, draft_path, aux_layers=None, cuda_graphs: bool = False)
     total time is measured, not the draft/verify split); nothing changes on a CPU."""
     from eyas.common import EyasError, warn
     from eyas.export import load_draft
-    import torch
-
     from eyas.spec.engine import SpecEngine
     from eyas.target import resolve_aux_layers
 
@@ -235,5 +233,5 @@ def build_engine(target, draft_path, aux_layers=None, cuda_graphs: bool = False)
     if len(aux) != dc.num_aux_layers:
         raise EyasError(f"draft {draft_path} fuses {dc.num_aux_layers} aux layers but {len(aux)} ids are known ({aux})")
     draft = draft.to(device=target.device, dtype=target.dtype)
-    static = cuda_graphs and torch.device(target.device).type == "cuda"
+    static = cuda_graphs and target.device.type == "cuda"
     return SpecEngine(target.model, draft, aux, sync_timing=not static, static=static), {"aux": aux, "meta": meta}

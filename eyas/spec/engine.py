@@ -27,7 +27,7 @@ import torch
 
 from eyas.spec.accept import accept_sample, sample_token, walk_greedy
 from eyas.spec.drafting import crop_cache, draft_chain, draft_tree
-from eyas.spec.graphs import GraphDecoder
+from eyas.spec.graphs import GraphDecoder, chain_capacity, plain_capacity
 from eyas.spec.target import Positions, TargetRunner, tree_mask
 
 
@@ -98,8 +98,7 @@ class SpecEngine:
         needs more than its capacity, which grows in steps of 1,024 tokens."""
         if self._decoder is None or self._decoder.capacity < need:
             self._decoder = None  # free the old buffers and graphs first
-            self._decoder = GraphDecoder(self.runner, self.draft, -(-need // 1024) * 1024,
-                                         graphs=self.device.type == "cuda")
+            self._decoder = GraphDecoder(self.runner, self.draft, -(-need // 1024) * 1024, graphs=True)
         return self._decoder
 
     def _ids(self, tokens) -> torch.Tensor:
@@ -245,7 +244,7 @@ class SpecEngine:
         res = GenResult(tokens=[])
         self.runner.attach()
         try:
-            dec = self._static_decoder(prompt.shape[1] + max_new_tokens + 3 * (steps + 1) + 1)
+            dec = self._static_decoder(chain_capacity(prompt.shape[1], max_new_tokens, steps))
             dec._chain_buffers(steps)  # captured before the clock starts (once per chain length)
             self._sync()
             t0 = time.perf_counter()
@@ -274,7 +273,7 @@ class SpecEngine:
         n = prompt.shape[1]
         res = GenResult(tokens=[])
         if self.static and temperature == 0:
-            dec = self._static_decoder(n + max_new_tokens + 3)
+            dec = self._static_decoder(plain_capacity(n, max_new_tokens))
             dec._plain_buffers()  # captured before the clock starts
             self._sync()
             t0 = time.perf_counter()

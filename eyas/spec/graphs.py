@@ -40,6 +40,17 @@ from eyas.draft.cache import DraftCache
 from eyas.spec.target import KVCache, TargetRunner, cache_geometry
 
 
+def plain_capacity(n: int, max_new: int) -> int:
+    """Cache slots that plain decoding of max_new tokens after an n-token prompt may write (two steps ahead)."""
+    return n + max_new + 3
+
+
+def chain_capacity(n: int, max_new: int, k: int) -> int:
+    """Cache slots that chains of k may write: up to two cycles in flight beyond the host's last read, and
+    each cycle writes k + 1 slots after the committed ones."""
+    return n + max_new + 3 * (k + 1) + 1
+
+
 class StaticKVCache(KVCache):
     """The target's cache with writes at device slots (`self.slots`, set before each forward) and reads
     of the whole capacity; the caller's mask hides what a query may not see."""
@@ -108,13 +119,12 @@ class _Reads:
     def __init__(self, width: int, device: torch.device, slots: int = 4):
         self.cuda = device.type == "cuda"
         self.host = torch.zeros(slots, width, dtype=torch.long, pin_memory=self.cuda)
-        self.events = [None] * slots
+        self.events = [torch.cuda.Event() if self.cuda else None for _ in range(slots)]  # re-recorded per push
 
     def push(self, i: int, src: torch.Tensor) -> None:
         s = i % len(self.events)
         self.host[s].copy_(src, non_blocking=self.cuda)
         if self.cuda:
-            self.events[s] = torch.cuda.Event()
             self.events[s].record()
 
     def get(self, i: int) -> list[int]:
@@ -258,7 +268,7 @@ class GraphDecoder:
         b = self._plain_buffers()
         t0 = time.perf_counter()
         n = prompt.shape[1]
-        if n + max_new + 3 > self.capacity:
+        if plain_capacity(n, max_new) > self.capacity:
             raise RuntimeError(f"{n} + {max_new} tokens do not fit a static cache of {self.capacity}")
         reads = b["reads"]
         b["ids"].copy_(self._prefill(prompt, False).view(1, 1))
@@ -283,7 +293,7 @@ class GraphDecoder:
         t0 = time.perf_counter()
         n = prompt.shape[1]
         ahead = 0 if (sync_timing or not self.graphs) else 1
-        if n + max_new + (ahead + 2) * (k + 1) + 1 > self.capacity:
+        if chain_capacity(n, max_new, k) > self.capacity:
             raise RuntimeError(f"{n} + {max_new} tokens and chains of {k} do not fit a static cache of {self.capacity}")
         reads = b["reads"]
         pending = self._prefill(prompt, True)
