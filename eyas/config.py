@@ -282,9 +282,10 @@ def full() -> RunConfig:
                         regen_batch_size=512, draft_vocab=32000),
         capture=CaptureConfig(dtype="bf16", shard_tokens=262144),
         # flex attention + torch.compile: 52.5 % MFU against 35.7 % for dense on an H200 (docs/PERFORMANCE.md)
-        # 6,000 samples make about 70 steps of 65,536 tokens per epoch: a short warmup (the first H200 run
-        # warmed up for 200 of its 284 steps and reached acc_0 0.48 only; docs/PERFORMANCE.md)
-        train=TrainConfig(epochs=4, ttt=7, lr=5e-4, warmup_steps=20, batch_tokens=65536, log_every=20,
+        # 6,000 samples make about 140 steps of 32,768 tokens per epoch. The first H200 run (65,536 tokens,
+        # 4 epochs, 284 steps, 200 of them warmup) stopped at acc_0 0.48 while still improving fast:
+        # more, smaller steps and a short warmup (docs/PERFORMANCE.md)
+        train=TrainConfig(epochs=6, ttt=7, lr=5e-4, warmup_steps=40, batch_tokens=32768, log_every=20,
                           save_every=1000, attention="flex", compile=True),
         # greedy chains and plain decoding replay CUDA graphs; the tree drafts eagerly (one read per level)
         eval=EvalConfig(benches=["mt-bench", "humaneval"], steps=[3, 5, 7], tree="8,6,40", max_new_tokens=256,

@@ -12,6 +12,10 @@ world_size-th batch of the same plan (the plan is truncated to a multiple of wor
 rank runs the same number of steps). A sample longer than `batch_tokens` is truncated to it.
 The data position is (epoch, index of the next batch in this rank's plan).
 
+`stream` reads and pads batches in a background thread, two ahead of the training step (into pinned
+memory on CUDA, copied asynchronously): the store's reads overlap the step's compute. Each batch carries
+its own data position, so a checkpoint saved mid-epoch resumes at the batch after the one trained on.
+
 Tailing a store that is still being captured (`TailBatcher`): epoch 0 is planned shard by shard as the
 capture commits them, in shard-index order; consecutive shards are grouped until a group holds
 `TAIL_GROUP_BATCHES` batches' worth of tokens (or is the last), and each group is packed and shuffled
@@ -23,7 +27,9 @@ world_size by repeating some of its batches. Epochs 1.. are planned over the com
 from __future__ import annotations
 
 import math
+import queue
 import random
+import threading
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
@@ -50,33 +56,85 @@ def pack(order: list[int], lengths, batch_tokens: int) -> list[list[int]]:
     return batches
 
 
-def collate(fetch, indices: list[int], batch_tokens: int, feature_fn=None, device="cpu") -> dict:
-    """The right-padded batch dict of the samples `fetch(i)` for i in indices (features computed if absent)."""
+def collate_host(fetch, indices: list[int], batch_tokens: int, pin: bool = False) -> dict:
+    """The right-padded batch dict of the samples `fetch(i)` for i in indices, in host memory (pinned if `pin`)."""
     samples = [fetch(i) for i in indices]
     lengths = [min(len(s["input_ids"]), batch_tokens) for s in samples]
     b, t = len(samples), max(lengths)
     batch = {
-        "input_ids": torch.zeros(b, t, dtype=torch.long),
-        "attention_mask": torch.zeros(b, t, dtype=torch.bool),
-        "loss_mask": torch.zeros(b, t, dtype=torch.float32),
+        "input_ids": torch.zeros(b, t, dtype=torch.long, pin_memory=pin),
+        "attention_mask": torch.zeros(b, t, dtype=torch.bool, pin_memory=pin),
+        "loss_mask": torch.zeros(b, t, dtype=torch.float32, pin_memory=pin),
     }
-    has_features = "aux_hidden" in samples[0]
-    if has_features:
-        batch["aux_hidden"] = torch.zeros(b, t, samples[0]["aux_hidden"].shape[-1], dtype=samples[0]["aux_hidden"].dtype)
-        batch["final_hidden"] = torch.zeros(b, t, samples[0]["final_hidden"].shape[-1], dtype=samples[0]["final_hidden"].dtype)
+    if "aux_hidden" in samples[0]:
+        for key in ("aux_hidden", "final_hidden"):
+            like = samples[0][key]
+            batch[key] = torch.zeros(b, t, like.shape[-1], dtype=like.dtype, pin_memory=pin)
     for row, (s, n) in enumerate(zip(samples, lengths)):
         batch["input_ids"][row, :n] = torch.as_tensor(s["input_ids"][:n], dtype=torch.long)
         batch["attention_mask"][row, :n] = True
         batch["loss_mask"][row, :n] = torch.as_tensor(s["loss_mask"][:n]).float()
-        if has_features:
+        if "aux_hidden" in batch:
             batch["aux_hidden"][row, :n] = torch.as_tensor(s["aux_hidden"][:n])
             batch["final_hidden"][row, :n] = torch.as_tensor(s["final_hidden"][:n])
+    return batch
+
+
+def to_device(batch: dict, device="cpu", feature_fn=None) -> dict:
+    """A host batch moved to `device` (asynchronously from pinned memory), features computed if it has none."""
     batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
-    if not has_features:
+    if "aux_hidden" not in batch:
         assert feature_fn is not None, "samples carry no features and no feature_fn was given"
         aux, final = feature_fn(batch["input_ids"], batch["attention_mask"])
         batch["aux_hidden"], batch["final_hidden"] = aux.clone(), final.clone()  # out of inference mode
     return batch
+
+
+def collate(fetch, indices: list[int], batch_tokens: int, feature_fn=None, device="cpu") -> dict:
+    """collate_host then to_device, in this thread."""
+    return to_device(collate_host(fetch, indices, batch_tokens), device, feature_fn)
+
+
+_DONE = object()
+
+
+def prefetched(items: Iterator, depth: int = 2) -> Iterator:
+    """The items of `items`, produced by a background thread up to `depth` ahead of the consumer.
+
+    Reading a batch from the store and padding it (a few hundred ms for 65k tokens of features) then
+    overlaps the previous step's compute. An exception in the producer is raised here, at the item where
+    it happened; closing this generator stops the producer at its next item.
+    """
+    q: queue.Queue = queue.Queue(maxsize=depth)
+    stop = threading.Event()
+
+    def produce():
+        try:
+            for item in items:
+                while not stop.is_set():
+                    try:
+                        q.put((item, None), timeout=0.1)
+                        break
+                    except queue.Full:
+                        continue
+                if stop.is_set():
+                    return
+            q.put((_DONE, None))
+        except BaseException as e:  # noqa: BLE001 - handed to the consumer, which raises it
+            q.put((_DONE, e))
+
+    thread = threading.Thread(target=produce, name="eyas-batch-prefetch", daemon=True)
+    thread.start()
+    try:
+        while True:
+            item, error = q.get()
+            if error is not None:
+                raise error
+            if item is _DONE:
+                return
+            yield item
+    finally:
+        stop.set()
 
 
 @dataclass
@@ -112,13 +170,17 @@ class Batcher:
     def collate(self, indices: list[int], device="cpu") -> dict:
         return collate(self.fetch, indices, self.batch_tokens, self.feature_fn, device)
 
-    def stream(self, epoch: int, start: int, device="cpu") -> Iterator[tuple[int, int, dict]]:
-        """Endless (epoch, next_index, batch) from a data position; epochs roll over."""
+    def host_stream(self, epoch: int, start: int, pin: bool = False) -> Iterator[tuple[int, int, dict]]:
+        """Endless (epoch, next_index, host batch) from a data position; epochs roll over."""
         while True:
             plan = self.plan(epoch)
             for i in range(start, len(plan)):
-                yield epoch, i + 1, self.collate(plan[i], device)
+                yield epoch, i + 1, collate_host(self.fetch, plan[i], self.batch_tokens, pin)
             epoch, start = epoch + 1, 0
+
+    def stream(self, epoch: int, start: int, device="cpu") -> Iterator[tuple[int, int, dict]]:
+        """Endless (epoch, next_index, batch on device): batches are read and padded a step ahead."""
+        return _on_device(self.host_stream(epoch, start, _pin(device)), device, self.feature_fn)
 
 
 @dataclass
@@ -164,10 +226,22 @@ class TailBatcher:
         return Batcher(list(self.store.lengths), self.store.__getitem__, self.batch_tokens, self.seed,
                        self.rank, self.world_size, self.feature_fn)
 
-    def stream(self, epoch: int, start: int, device="cpu") -> Iterator[tuple[int, int, dict]]:
+    def host_stream(self, epoch: int, start: int, pin: bool = False) -> Iterator[tuple[int, int, dict]]:
         if epoch == 0:
             for i, indices in enumerate(self.first_epoch()):
                 if i >= start:
-                    yield 0, i + 1, collate(self.store.__getitem__, indices, self.batch_tokens, self.feature_fn, device)
+                    yield 0, i + 1, collate_host(self.store.__getitem__, indices, self.batch_tokens, pin)
             epoch, start = 1, 0
-        yield from self.later_epochs().stream(epoch, start, device)
+        yield from self.later_epochs().host_stream(epoch, start, pin)
+
+    def stream(self, epoch: int, start: int, device="cpu") -> Iterator[tuple[int, int, dict]]:
+        return _on_device(self.host_stream(epoch, start, _pin(device)), device, self.feature_fn)
+
+
+def _pin(device) -> bool:
+    return torch.device(device).type == "cuda"
+
+
+def _on_device(host: Iterator[tuple[int, int, dict]], device, feature_fn) -> Iterator[tuple[int, int, dict]]:
+    for epoch, index, batch in prefetched(host):
+        yield epoch, index, to_device(batch, device, feature_fn)

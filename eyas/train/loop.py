@@ -191,6 +191,7 @@ def _train(cfg, tc, run_dir: Path, source: TrainSource, resume: bool, info: dist
             save(step)
 
     # ---- finish
+    stream.close()  # stops the batch-reading thread
     curves = logger.close(tc.ttt)
     last = state["last_metrics"] or {}
     wall = state["elapsed_s"]  # training time of all sessions of this run (resumes add up)

@@ -8,6 +8,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 import torch
 from safetensors.torch import load_file
 
@@ -125,3 +126,55 @@ def test_ddp_and_fsdp2_two_processes_gloo_agree(tmp_path):
     assert ddp.keys() == fsdp.keys()
     for k in ddp:
         torch.testing.assert_close(ddp[k], fsdp[k], rtol=1e-5, atol=1e-6)
+
+
+def test_prefetched_stream_gives_the_same_batches_and_positions_as_reading_in_place():
+    """stream() reads batches in a background thread; every batch and data position (across an epoch
+    boundary and from a mid-epoch start) must be what collating in this thread gives."""
+    from eyas.train.data import collate
+
+    batcher = synthetic_source().batcher(128, 5)
+    per_epoch = batcher.batches_per_epoch()
+    start = per_epoch - 2  # two batches of epoch 0, then epoch 1 from its start
+    stream = batcher.stream(0, start)
+    expected = [(0, i + 1, batcher.plan(0)[i]) for i in range(start, per_epoch)]
+    expected += [(1, i + 1, batcher.plan(1)[i]) for i in range(3)]
+    for epoch, index, indices in expected:
+        got_epoch, got_index, got = next(stream)
+        want = collate(batcher.fetch, indices, 128)
+        assert (got_epoch, got_index) == (epoch, index)
+        assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+    stream.close()
+
+
+def test_prefetched_raises_the_producers_error_and_stops_on_close():
+    import threading
+    import time
+
+    from eyas.train.data import prefetched
+
+    def bad():
+        yield 1
+        yield 2
+        raise ValueError("shard 3 of the store is corrupt")
+
+    items = prefetched(bad())
+    assert next(items) == 1 and next(items) == 2
+    with pytest.raises(ValueError, match="shard 3"):
+        next(items)
+
+    produced = []
+
+    def endless():
+        while True:
+            produced.append(len(produced))
+            yield produced[-1]
+
+    items = prefetched(endless(), depth=2)
+    assert [next(items) for _ in range(5)] == [0, 1, 2, 3, 4]
+    items.close()
+    deadline = time.monotonic() + 5
+    while any(t.name == "eyas-batch-prefetch" for t in threading.enumerate()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(t.name == "eyas-batch-prefetch" for t in threading.enumerate())
+    assert len(produced) <= 5 + 2 + 2  # it ran at most `depth` (+ the item in hand) ahead
