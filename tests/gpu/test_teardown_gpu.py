@@ -1,5 +1,9 @@
 """On a real GPU: a stage's memory is released after teardown (as NVML sees it), and a foreign
-process holding memory makes the runner refuse and survives. Skipped without CUDA (tests/conftest.py)."""
+process holding memory makes the runner refuse and survives. Skipped without CUDA (tests/conftest.py).
+
+These tests run first in any session (tests/conftest.py orders them): a runner started in another process
+refuses GPUs on which the pytest process itself holds memory, as it would any foreign holder, and every
+other GPU test leaves a CUDA context here."""
 
 import os
 import subprocess
