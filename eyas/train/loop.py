@@ -102,7 +102,7 @@ def _train(cfg, tc, run_dir: Path, source: TrainSource, resume: bool, info: dist
     print0(f"draft: {draft.num_trainable_params() / 1e6:.2f}M trainable parameters "
            f"(H {draft.cfg.hidden_size}, Vd {draft.cfg.draft_vocab_size}, fc {draft.cfg.num_aux_layers}*H -> H, "
            f"features {tc.features}, TTT {tc.ttt})")
-    batcher = source.batcher(tc.batch_tokens, tc.seed, info.rank, info.world_size)
+    batcher, val_batcher = source.batchers(tc.batch_tokens, tc.seed, info.rank, info.world_size, tc.val_samples)
     batches_per_epoch = batcher.batches_per_epoch()  # an estimate while tailing a store being captured
     total_steps = tc.steps or max(1, math.ceil(tc.epochs * batches_per_epoch / tc.grad_accum))
     meta = draft_meta(draft, source, cfg)
@@ -179,8 +179,12 @@ def _train(cfg, tc, run_dir: Path, source: TrainSource, resume: bool, info: dist
         optimizer.zero_grad(set_to_none=True)
         state["step"] += 1
         step = state["step"]
-        if step % tc.log_every == 0 or step == total_steps:
+        val_due = val_batcher is not None and (step % tc.val_every == 0 or step == total_steps)
+        if step % tc.log_every == 0 or step == total_steps or val_due:
             rec = window.record(step, scheduler.get_last_lr()[0], tc.loss_decay, info)
+            if val_due:
+                rec.update(score_held_out(model, val_batcher, lm_head_weight, autocast, info, tc, compile_step))
+                window.t0 = time.perf_counter()  # tokens_per_s counts training only
             rec["peak_mem_GiB"] = peak_memory_gib(info.device)
             state["tokens"] += rec.pop("_tokens")
             state["elapsed_s"] = rec["elapsed_s"] = time.perf_counter() - t_start
@@ -206,10 +210,37 @@ def _train(cfg, tc, run_dir: Path, source: TrainSource, resume: bool, info: dist
     if info.rank == 0:
         ckpt.write_summary(run_dir, summary)
         accs = " ".join(f"{last.get(f'acc_{k}', 0):.2f}" for k in range(tc.ttt))
+        held = ""
+        if "val_acc_0" in last:
+            held = (f"; on {tc.val_samples} held-out samples acc_0..{tc.ttt - 1} "
+                    + " ".join(f"{last[f'val_acc_{k}']:.2f}" for k in range(tc.ttt))
+                    + f", simulated tau {last['val_tau_sim']:.2f}")
         print0(f"trained {total_steps} steps in {summary['wall_s']:.0f} s ({summary['tokens_per_s']:,.0f} tok/s); final loss {last.get('loss', float('nan')):.3f}, "
-               f"acc_0..{tc.ttt - 1} {accs}, simulated tau {last.get('tau_sim', float('nan')):.2f}; "
-               f"checkpoint {run_dir / 'latest'}")
+               f"acc_0..{tc.ttt - 1} {accs} on the last training batches, simulated tau {last.get('tau_sim', float('nan')):.2f}"
+               f"{held}; checkpoint {run_dir / 'latest'}")
     return summary
+
+
+def score_held_out(model, val_batcher, lm_head_weight, autocast, info, tc, compiled: bool) -> dict:
+    """val_loss, val_acc_k and val_tau_sim of the draft on the held-out samples (every rank scores its share).
+
+    A compiled draft step keeps autograd on here: its graphs were traced for training, and a no-grad call
+    would compile them all again. Nothing is backpropagated; DDP's wrapper is bypassed for the same reason.
+    """
+    window = _Window(tc.ttt)
+    module = model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
+    with torch.enable_grad() if compiled else torch.no_grad():
+        for indices in val_batcher.plan(0):
+            batch = val_batcher.collate(indices, info.device)
+            with autocast():
+                res = module(batch, lm_head_weight)
+            res.loss = res.loss.detach()
+            window.add(res, int(batch["attention_mask"].sum()))
+            del res, batch
+    rec = window.record(0, 0.0, tc.loss_decay, info)
+    out = {"val_loss": rec["loss"], "val_tau_sim": rec["tau_sim"]}
+    out.update({f"val_acc_{k}": rec[f"acc_{k}"] for k in range(tc.ttt)})
+    return out
 
 
 class _Window:

@@ -2,7 +2,9 @@
 
 Only rank 0 writes. Records are flat dicts with unit-bearing keys, e.g.
 {"step": 120, "loss": 2.41, "loss_0": ..., "acc_0": 0.71, ..., "tau_sim": 3.1, "lr": 1e-4,
- "tokens_per_s": 42000.0, "peak_mem_GiB": 3.1, "elapsed_s": 61.0}.
+ "tokens_per_s": 42000.0, "peak_mem_GiB": 3.1, "elapsed_s": 61.0}; acc_k are measured on the training
+batches of the interval. With train.val_samples, the records of the scoring steps also carry val_loss,
+val_acc_k and val_tau_sim: the same measures on samples never trained on.
 """
 
 from __future__ import annotations
@@ -29,8 +31,12 @@ def format_line(rec: dict, total_steps: int, ttt: int) -> str:
     tok = rec["tokens_per_s"]
     rate = f"{tok / 1000:.1f}k" if tok >= 1000 else f"{tok:.0f}"
     accs = " ".join(f"acc{k} {rec[f'acc_{k}']:.2f}" for k in range(ttt))
-    return (f"step {rec['step']}/{total_steps} | loss {rec['loss']:.3f} | {accs} | tau {rec['tau_sim']:.2f} | "
+    line = (f"step {rec['step']}/{total_steps} | loss {rec['loss']:.3f} | {accs} | tau {rec['tau_sim']:.2f} | "
             f"lr {rec['lr']:.1e} | {rate} tok/s | {rec['peak_mem_GiB']:.1f} GiB")
+    if "val_acc_0" in rec:
+        val_accs = " ".join(f"{rec[f'val_acc_{k}']:.2f}" for k in range(ttt))
+        line += f"\n  held-out: loss {rec['val_loss']:.3f} | acc0..{ttt - 1} {val_accs} | tau {rec['val_tau_sim']:.2f}"
+    return line
 
 
 class MetricsLogger:
@@ -92,6 +98,9 @@ def plot_curves(metrics_path: Path, ttt: int) -> Path | None:
     for k in range(ttt):
         ax_loss.plot(steps, [r[f"loss_{k}"] for r in records], alpha=0.7, label=f"loss_{k}")
         ax_acc.plot(steps, [r[f"acc_{k}"] for r in records], label=f"acc_{k}")
+    held = [r for r in records if "val_acc_0" in r]
+    if held:
+        ax_acc.plot([r["step"] for r in held], [r["val_acc_0"] for r in held], "k--", marker="o", label="held-out acc_0")
     ax_loss.set(xlabel="optimizer step", ylabel="soft cross-entropy", title="loss")
     ax_acc.set(xlabel="optimizer step", ylabel="top-1 agreement with target", title="acc_k", ylim=(0, 1))
     ax_loss.legend(fontsize=7)

@@ -10,6 +10,7 @@ eyas.target.
 from __future__ import annotations
 
 import bisect
+import random
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -47,6 +48,39 @@ class TrainSource:
         if self.tail is not None:
             return TailBatcher(self.tail, batch_tokens, seed, rank, world_size, self.feature_fn)
         return Batcher(self.lengths, self.samples.__getitem__, batch_tokens, seed, rank, world_size, self.feature_fn)
+
+    def held_out_split(self, val_samples: int, seed: int) -> tuple[list[int], list[int]]:
+        """(training indices, held-out indices): `val_samples` drawn with `seed`, the same on every rank."""
+        n = len(self.lengths)
+        if val_samples > n // 2:
+            raise EyasError(f"train.val_samples={val_samples} would hold out more than half of the {n} training "
+                            f"samples; lower it (about 2 % of the data is usual) or set it to 0")
+        held = sorted(random.Random(f"held-out {seed}").sample(range(n), val_samples))
+        chosen = set(held)
+        return [i for i in range(n) if i not in chosen], held
+
+    def batchers(self, batch_tokens: int, seed: int, rank: int = 0, world_size: int = 1,
+                 val_samples: int = 0) -> tuple[Batcher | TailBatcher, Batcher | None]:
+        """(training batcher, held-out batcher or None). Held-out samples never reach a training batch."""
+        if not val_samples:
+            return self.batcher(batch_tokens, seed, rank, world_size), None
+        if self.tail is not None:
+            warn(f"train.val_samples={val_samples} is not used while training tails a store being captured "
+                 f"(the store's size is not known yet): no held-out accuracy in this run")
+            return self.batcher(batch_tokens, seed, rank, world_size), None
+        train_idx, held = self.held_out_split(val_samples, seed)
+        fetch = self.samples.__getitem__
+
+        def subset(indices: list[int]) -> Batcher:
+            return Batcher([self.lengths[i] for i in indices], lambda j: fetch(indices[j]), batch_tokens, seed,
+                           rank, world_size, self.feature_fn)
+
+        val = subset(held)
+        try:
+            val.plan(0)
+        except ValueError as e:
+            raise EyasError(f"train.val_samples={val_samples}: {e}") from None
+        return subset(train_idx), val
 
 
 class GrowingStore:

@@ -178,3 +178,35 @@ def test_prefetched_raises_the_producers_error_and_stops_on_close():
         time.sleep(0.05)
     assert not any(t.name == "eyas-batch-prefetch" for t in threading.enumerate())
     assert len(produced) <= 5 + 2 + 2  # it ran at most `depth` (+ the item in hand) ahead
+
+
+def test_held_out_samples_are_never_trained_on_and_are_scored_with_the_final_weights(tmp_path):
+    from eyas.common import EyasError
+    from eyas.train.loop import build_draft
+    from eyas.train.ttt import ttt_forward
+
+    source = synthetic_source()
+    train_b, val_b = source.batchers(128, 0, val_samples=4)
+    ids = lambda b, plan: {b.fetch(j)["sample_id"] for batch in plan for j in batch}  # noqa: E731
+    trained, held = ids(train_b, train_b.plan(0)), ids(val_b, val_b.plan(0))
+    assert len(held) == 4 and not trained & held and len(trained | held) == 24
+    assert ids(train_b, train_b.plan(1)) == trained  # every epoch, the same split
+
+    cfg = small_config(["train.val_samples=4", "train.val_every=5"])
+    summary = train(cfg, tmp_path, source, device="cpu")
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if "val_acc_0" in r] == [5, 10, 12]
+    assert [r["step"] for r in records] == [2, 4, 5, 6, 8, 10, 12]
+    # the last scoring used the final weights: score the held-out batches again from the checkpoint
+    draft = build_draft(source, "fused")
+    draft.load_state_dict(final_weights(tmp_path), strict=False)
+    correct, count = [0] * 3, [0] * 3
+    with torch.no_grad():
+        for batch in val_b.plan(0):
+            res = ttt_forward(draft, val_b.collate(batch), source.lm_head_weight, 3)
+            correct = [a + b for a, b in zip(correct, res.correct_k)]
+            count = [a + b for a, b in zip(count, res.count_k)]
+    assert [summary[f"val_acc_{k}"] for k in range(3)] == pytest.approx([c / n for c, n in zip(correct, count)])
+
+    with pytest.raises(EyasError, match="more than half of the 24"):
+        source.batchers(128, 0, val_samples=13)
