@@ -91,28 +91,47 @@ class ResultsFile:
 
 @torch.inference_mode()
 def generate_batch(model, prompts: list[list[int]], *, max_new_tokens: int, stop_ids: list[int], pad_id: int,
-                   temperature: float = 0.0, generator: torch.Generator | None = None) -> list[dict]:
+                   temperature: float = 0.0, generator: torch.Generator | None = None,
+                   check_every: int = 16) -> list[dict]:
     """Generate for left-padded prompts; returns [{tokens, finish: "stop"|"length"}] in input order.
 
-    The stop token is not part of `tokens`.
+    The stop token is not part of `tokens`. The keys and values live in one preallocated cache (nothing is
+    concatenated per step) and the new tokens stay on the device: the host looks at them every
+    `check_every` steps (to end the batch when every row has stopped, and to drop the stopped rows once
+    they are half of the batch) and reads them once at the end. A row that has stopped keeps decoding
+    until then; what follows its stop token is discarded.
     """
-    from transformers import DynamicCache
+    from eyas.spec.target import KVCache, cache_geometry
 
-    device = next(model.parameters()).device
+    param = next(model.parameters())
+    device = param.device
     num_rows, width = len(prompts), max(len(p) for p in prompts)
-    input_ids = torch.full((num_rows, width), pad_id, dtype=torch.long)  # [B, L]
-    attn = torch.zeros((num_rows, width), dtype=torch.long)  # [B, L]
+    capacity = width + max_new_tokens
+    input_ids = torch.full((num_rows, width), pad_id, dtype=torch.long)  # [B, W]
+    valid = torch.zeros((num_rows, capacity), dtype=torch.bool)  # [B, W + N]: keys each row may attend to
     for r, p in enumerate(prompts):
         input_ids[r, width - len(p):] = torch.tensor(p, dtype=torch.long)
-        attn[r, width - len(p):] = 1
-    input_ids, attn = input_ids.to(device), attn.to(device)
-    positions = (attn.cumsum(-1) - 1).clamp(min=0)  # [B, L]; left padding shifts the real positions
-    cache = DynamicCache(config=model.config)
-    logits = model(input_ids=input_ids, attention_mask=attn, position_ids=positions, past_key_values=cache,
-                   use_cache=True, logits_to_keep=1).logits[:, -1]  # [B, V]
+        valid[r, width - len(p):width] = True
+    input_ids, valid = input_ids.to(device), valid.to(device)
+    positions = (valid[:, :width].long().cumsum(-1) - 1).clamp(min=0)  # [B, W]; left padding shifts positions
+    eager = getattr(model.config, "_attn_implementation", "sdpa") == "eager"
+
+    def as_mask(allowed: torch.Tensor) -> torch.Tensor:  # bool [B, 1, q, k] -> what the attention takes
+        if not eager:
+            return allowed
+        return torch.zeros(allowed.shape, dtype=param.dtype, device=device).masked_fill(~allowed, torch.finfo(param.dtype).min)
+
+    # prefill: causal over real keys; a padding query attends to itself only (a row of no keys gives NaN)
+    causal = torch.ones(width, width, dtype=torch.bool, device=device).tril()
+    allowed = (causal[None] & valid[:, None, :width]) | torch.eye(width, dtype=torch.bool, device=device)[None]
+    cache = KVCache(*cache_geometry(model.config), capacity, param.dtype, device, batch=num_rows)
+    logits = model(input_ids=input_ids, attention_mask=as_mask(allowed[:, None]), position_ids=positions,
+                   past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1]  # [B, V]
+    cache.advance(width)
     next_pos = positions[:, -1] + 1  # [b]
-    rows = list(range(num_rows))  # original row of each live row
-    out = [{"tokens": [], "finish": "length"} for _ in range(num_rows)]
+    rows = torch.arange(num_rows, device=device)  # original row of each live row
+    new = torch.zeros((num_rows, max_new_tokens), dtype=torch.long, device=device)  # [B, N] by original row
+    stopped_at = torch.full((num_rows,), max_new_tokens, dtype=torch.long, device=device)  # first stop step
     stop = torch.tensor(stop_ids, dtype=torch.long, device=device)
     for step in range(max_new_tokens):
         if temperature > 0:
@@ -120,24 +139,28 @@ def generate_batch(model, prompts: list[list[int]], *, max_new_tokens: int, stop
             tok = torch.multinomial(probs.cpu(), 1, generator=generator).squeeze(1).to(device)  # [b]
         else:
             tok = logits.argmax(-1)  # [b]
-        done = torch.isin(tok, stop)  # [b]
-        for r, t, d in zip(rows, tok.tolist(), done.tolist()):
-            if d:
-                out[r]["finish"] = "stop"
-            else:
-                out[r]["tokens"].append(t)
-        if step == max_new_tokens - 1 or bool(done.all()):
+        new[rows, step] = tok
+        first_stop = torch.isin(tok, stop) & (stopped_at[rows] == max_new_tokens)
+        stopped_at[rows] = torch.where(first_stop, step, stopped_at[rows])
+        if step == max_new_tokens - 1:
             break
-        if bool(done.any()):
-            keep = (~done).nonzero().squeeze(1)  # [b']
-            cache.batch_select_indices(keep)
-            rows = [rows[i] for i in keep.tolist()]
-            tok, attn, next_pos = tok[keep], attn[keep], next_pos[keep]
-        attn = torch.cat([attn, attn.new_ones(attn.shape[0], 1)], dim=1)
-        logits = model(input_ids=tok[:, None], attention_mask=attn, position_ids=next_pos[:, None],
-                       past_key_values=cache, use_cache=True).logits[:, -1]
+        if (step + 1) % check_every == 0:  # the only host reads inside the loop
+            live = stopped_at[rows] == max_new_tokens  # [b]
+            num_live = int(live.sum())
+            if num_live == 0:
+                break
+            if num_live <= len(rows) // 2:
+                keep = live.nonzero().squeeze(1)  # [b']
+                cache.keys, cache.values = cache.keys[:, keep], cache.values[:, keep]
+                rows, tok, valid, next_pos = rows[keep], tok[keep], valid[keep], next_pos[keep]
+        valid[:, width + step] = True
+        logits = model(input_ids=tok[:, None], attention_mask=as_mask(valid[:, None, None, :width + step + 1]),
+                       position_ids=next_pos[:, None], past_key_values=cache, use_cache=True).logits[:, -1]
+        cache.advance(1)
         next_pos = next_pos + 1
-    return out
+    tokens, stops = new.tolist(), stopped_at.tolist()
+    return [{"tokens": row[:end], "finish": "stop" if end < max_new_tokens else "length"}
+            for row, end in zip(tokens, stops)]
 
 
 def regenerate_local(target, prompts: list[dict], out_path: str | Path, *, template, max_new_tokens: int,

@@ -43,6 +43,39 @@ def test_stop_token_ends_a_row_early(tiny_target):
     assert all(r == {"tokens": [], "finish": "stop"} for r in out)
 
 
+def test_rows_stopping_at_different_steps_match_plain_generate_through_compaction(tiny_target):
+    """Four rows stop by their fourth token and two never do: the batch drops the stopped rows at a check
+    (check_every=2) and decodes on with two; every row must be plain greedy decoding cut at its first stop."""
+    model, tok = tiny_target.model, tiny_target.tokenizer
+    ct = ChatTemplate(tok)
+    pool = [ct.prompt_ids(p["messages"]) for p in PROMPTS]
+    free = [r["tokens"] for r in generate_batch(model, pool, max_new_tokens=16, stop_ids=[999999], pad_id=tok.pad_token_id)]
+    # a stop token that four prompts say early (not first) and two, with different answers, never say
+    picks = None
+    for x in sorted({t for f in free for t in f}):
+        early = [i for i, f in enumerate(free) if x in f[1:4] and x != f[0]]
+        never = list({tuple(f): i for i, f in enumerate(free) if x not in f}.values())  # distinct outputs
+        if len(early) >= 4 and len(never) >= 2:
+            picks = (x, early[:4] + never[:2])
+            break
+    assert picks is not None, "the tiny model's outputs offer no usable stop token"
+    stop, chosen = picks
+    prompts = [pool[i] for i in chosen]
+    widths = []
+    hook = model.model.embed_tokens.register_forward_hook(lambda m, args, out: widths.append(args[0].shape[0]))
+    try:
+        out = generate_batch(model, prompts, max_new_tokens=16, stop_ids=[stop], pad_id=tok.pad_token_id, check_every=2)
+    finally:
+        hook.remove()
+    assert widths[0] == 6 and min(widths) == 2  # the four stopped rows were dropped, the two went on
+    for p, res in zip(prompts, out):
+        ref = model.generate(torch.tensor([p]), max_new_tokens=16, do_sample=False, eos_token_id=[stop],
+                             pad_token_id=tok.pad_token_id)[0, len(p):].tolist()
+        cut = ref.index(stop) if stop in ref else None
+        assert res == {"tokens": ref if cut is None else ref[:cut], "finish": "length" if cut is None else "stop"}
+    assert [r["finish"] for r in out] == ["stop"] * 4 + ["length"] * 2
+
+
 CHILD = """
 import sys, time
 from eyas.target import load_target
