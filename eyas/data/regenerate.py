@@ -89,6 +89,38 @@ class ResultsFile:
 
 # ---------------------------------------------------------------- batched generation
 
+class _BatchCache:
+    """Keys and values of a batch being decoded, written in place into buffers sized once for the whole
+    generation (transformers' DynamicCache concatenates every layer's cache on every step)."""
+
+    is_compileable = False
+
+    def __init__(self, config, batch: int, capacity: int, dtype, device):
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        shape = (batch, config.num_key_value_heads, capacity, head_dim)  # per layer
+        self.kv = [(torch.empty(shape, dtype=dtype, device=device), torch.empty(shape, dtype=dtype, device=device))
+                   for _ in range(config.num_hidden_layers)]
+        self.length = 0
+
+    def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
+        """What a decoder layer calls: store the new entries after `length`, return all of them."""
+        keys, values = self.kv[layer_idx]
+        end = self.length + key_states.shape[2]
+        keys[:, :, self.length:end] = key_states
+        values[:, :, self.length:end] = value_states
+        return keys[:, :, :end], values[:, :, :end]
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.length
+
+    def advance(self, num_tokens: int) -> None:
+        self.length += num_tokens
+
+    def select(self, rows: torch.Tensor) -> None:
+        """Keep only these batch rows (a copy of the buffers)."""
+        self.kv = [(k[rows], v[rows]) for k, v in self.kv]
+
+
 @torch.inference_mode()
 def generate_batch(model, prompts: list[list[int]], *, max_new_tokens: int, stop_ids: list[int], pad_id: int,
                    temperature: float = 0.0, generator: torch.Generator | None = None,
@@ -101,8 +133,6 @@ def generate_batch(model, prompts: list[list[int]], *, max_new_tokens: int, stop
     they are half of the batch) and reads them once at the end. A row that has stopped keeps decoding
     until then; what follows its stop token is discarded.
     """
-    from eyas.spec.target import KVCache, cache_geometry
-
     param = next(model.parameters())
     device = param.device
     num_rows, width = len(prompts), max(len(p) for p in prompts)
@@ -124,7 +154,7 @@ def generate_batch(model, prompts: list[list[int]], *, max_new_tokens: int, stop
     # prefill: causal over real keys; a padding query attends to itself only (a row of no keys gives NaN)
     causal = torch.ones(width, width, dtype=torch.bool, device=device).tril()
     allowed = (causal[None] & valid[:, None, :width]) | torch.eye(width, dtype=torch.bool, device=device)[None]
-    cache = KVCache(*cache_geometry(model.config), capacity, param.dtype, device, batch=num_rows)
+    cache = _BatchCache(model.config, num_rows, capacity, param.dtype, device)
     logits = model(input_ids=input_ids, attention_mask=as_mask(allowed[:, None]), position_ids=positions,
                    past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1]  # [B, V]
     cache.advance(width)
@@ -151,7 +181,7 @@ def generate_batch(model, prompts: list[list[int]], *, max_new_tokens: int, stop
                 break
             if num_live <= len(rows) // 2:
                 keep = live.nonzero().squeeze(1)  # [b']
-                cache.keys, cache.values = cache.keys[:, keep], cache.values[:, keep]
+                cache.select(keep)
                 rows, tok, valid, next_pos = rows[keep], tok[keep], valid[keep], next_pos[keep]
         valid[:, width + step] = True
         logits = model(input_ids=tok[:, None], attention_mask=as_mask(valid[:, None, None, :width + step + 1]),
