@@ -96,8 +96,11 @@ class _BatchCache:
     is_compileable = False
 
     def __init__(self, config, batch: int, capacity: int, dtype, device):
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        shape = (batch, config.num_key_value_heads, capacity, head_dim)  # per layer
+        # the geometry of eyas.spec.target.cache_geometry, which this layer may not import
+        heads = config.num_attention_heads
+        kv_heads = getattr(config, "num_key_value_heads", None) or heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        shape = (batch, kv_heads, capacity, head_dim)  # per layer
         self.kv = [(torch.empty(shape, dtype=dtype, device=device), torch.empty(shape, dtype=dtype, device=device))
                    for _ in range(config.num_hidden_layers)]
         self.length = 0
