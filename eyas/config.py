@@ -75,7 +75,12 @@ class DataConfig:
     max_length: int = 2048
     on_long: str = "drop"  # drop | truncate
     strict: bool = False
-    num_prompts: int = 2000  # size of the built-in prompt corpus when data is empty
+    num_prompts: int = 2000  # size of the built-in prompt corpus when data is empty (0 = none of it)
+    # user prompts the target writes itself (Magpie: it continues its template's opening of a user turn),
+    # added to the corpus or to the files; chat-like where the corpus is made from Python docstrings
+    self_prompts: int = 0
+    self_prompt_temperature: float = 0.8  # 1.0 wrote more broken requests with SmolLM2-135M
+    self_prompt_max_tokens: int = 128  # a request still running at this length is dropped
     regenerate: str | None = None  # None | "local" | an OpenAI-compatible base URL
     regen_max_new_tokens: int = 256
     regen_temperature: float = 0.0
@@ -97,7 +102,12 @@ class DataConfig:
         _one_of("data.on_long", self.on_long, ("drop", "truncate"))
         _at_least("data.max_length", self.max_length, 8)
         _at_least("data.draft_vocab", self.draft_vocab, 1)
-        _at_least("data.num_prompts", self.num_prompts, 1)
+        _at_least("data.num_prompts", self.num_prompts, 0)
+        _at_least("data.self_prompts", self.self_prompts, 0)
+        if self.self_prompts and not 0 < self.self_prompt_temperature <= 2:
+            raise ConfigError(f"data.self_prompt_temperature={self.self_prompt_temperature!r} must lie in (0, 2]: "
+                              f"greedy decoding would write the same request every time")
+        _at_least("data.self_prompt_max_tokens", self.self_prompt_max_tokens, 1)
         if self.regenerate is not None and self.regenerate != "local" \
                 and not self.regenerate.startswith(("http://", "https://")):
             raise ConfigError(f"data.regenerate={self.regenerate!r} is not valid; choose one of: none, local, "
@@ -280,9 +290,12 @@ def full() -> RunConfig:
     return RunConfig(
         name="full",
         target=TargetConfig(spec="smollm2"),
-        # regeneration is one forward per new token for the whole batch: wide batches amortise the host
-        data=DataConfig(num_prompts=6000, max_length=2048, regenerate="local", regen_max_new_tokens=512,
-                        regen_batch_size=512, draft_vocab=32000),
+        # regeneration is one forward per new token for the whole batch: wide batches amortise the host.
+        # A draft trained on 6,000 corpus prompts (made from Python docstrings) reached 0.49 first-token
+        # acceptance on its training prompts and 0.25 on MT-bench: 4,500 of the prompts are now chat
+        # requests the target writes itself (data.self_prompts), 1,500 come from the corpus
+        data=DataConfig(num_prompts=1500, self_prompts=4500, max_length=2048, regenerate="local",
+                        regen_max_new_tokens=512, regen_batch_size=512, draft_vocab=32000),
         capture=CaptureConfig(dtype="bf16", shard_tokens=262144),
         # flex attention + torch.compile: 52.5 % MFU against 35.7 % for dense on an H200 (docs/PERFORMANCE.md)
         # 6,000 samples make about 140 steps of 32,768 tokens per epoch. The first H200 run (65,536 tokens,

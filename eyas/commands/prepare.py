@@ -4,7 +4,7 @@
                  [--max-length N] [--on-long drop|truncate] [--strict] [--regenerate local|URL] [--draft-vocab N]
 
 Without --data it builds the built-in prompt corpus (data.num_prompts prompts made from text that
-ships with CPython). Inputs: JSONL, JSON or Parquet files, `save_to_disk` directories or hub dataset
+ships with CPython); --self-prompts N adds N user prompts written by the target itself. Inputs: JSONL, JSON or Parquet files, `save_to_disk` directories or hub dataset
 names (`org/name[:split]`), in ShareGPT, OpenAI-messages or {prompt, response} form. Records that
 cannot be used are skipped with a reason, counted in DIR/prepare.json; --strict makes any skip an error.
 """
@@ -26,6 +26,7 @@ writes into DIR:
                       means they are complete)
   summary.json        wall_s, samples, samples_per_s, tokens, skipped per reason, regeneration figures
   regen-*.jsonl       regenerated responses (a rerun resumes from it)
+  self-prompts-*.jsonl  user prompts the target wrote (with --self-prompts; a rerun resumes from it)
   config.yaml         the resolved config
 
 formats: ShareGPT {conversations: [{from, value}]}, OpenAI {messages: [{role, content}]},
@@ -56,6 +57,10 @@ def add_arguments(parser) -> None:
                              "without --data: the config's, 'local' in the presets)")
     parser.add_argument("--draft-vocab", type=int, metavar="N", help="draft vocabulary size, capped at the target's (default: data.draft_vocab of the config)")
     parser.add_argument("--num-prompts", type=int, metavar="N", help="size of the built-in corpus, without --data (default: data.num_prompts of the config)")
+    parser.add_argument("--self-prompts", type=int, metavar="N",
+                        help="also have the target write N user prompts itself (it continues its chat template's "
+                             "opening of a user turn; duplicates and cut-off ones are dropped) and answer them; "
+                             "needs --regenerate (default: data.self_prompts of the config)")
 
 
 def config_from_args(args):
@@ -65,7 +70,7 @@ def config_from_args(args):
     if args.target:
         sets.append(f"target.spec={args.target}")
     sets += flag_overrides(args, "data", "format", "max_length", "on_long", "strict", "regenerate", "draft_vocab",
-                           "num_prompts")
+                           "num_prompts", "self_prompts")
     if args.data and args.regenerate is None and not any(x.startswith("data.regenerate=") for x in args.set):
         # the presets regenerate their built-in prompts; a user's own conversations keep their
         # responses unless --regenerate asks otherwise

@@ -79,14 +79,42 @@ def _load_conversations(cfg: RunConfig, report: _Report) -> tuple[list[Conversat
     if not dc.regenerate:
         raise EyasError("the built-in corpus holds prompts only; add --regenerate local (or a server URL), "
                         "or give conversations with --data")
+    if dc.num_prompts == 0 and dc.self_prompts == 0:
+        raise EyasError("data.num_prompts=0 and data.self_prompts=0 leave nothing to train on; give --data, "
+                        "--num-prompts N or --self-prompts N")
 
-    prompts = default_prompts(dc.num_prompts, dc.seed)
+    prompts = default_prompts(dc.num_prompts, dc.seed) if dc.num_prompts else []
     if len(prompts) < dc.num_prompts:
         print0(f"the built-in corpus holds {len(prompts)} prompts; data.num_prompts={dc.num_prompts} asked for more")
     convs = [Conversation(p["id"], [{"role": "user", "content": p["prompt"]}], f"builtin:{p['id']}")
              for p in prompts]
     digest = hashlib.sha256("\n".join(p["prompt"] for p in prompts).encode()).hexdigest()[:16]
     return convs, {"kind": "builtin-corpus", "num_prompts": len(prompts), "seed": dc.seed, "corpus_hash": digest}
+
+
+def _self_prompts(cfg: RunConfig, target, template: ChatTemplate, out: Path) -> tuple[list[Conversation], dict]:
+    """data.self_prompts user requests written by the target (eyas/data/self_prompts.py), as conversations."""
+    from eyas.data.self_prompts import write_self_prompts
+
+    dc = cfg.data
+    if not dc.regenerate:
+        raise EyasError("data.self_prompts: the target's own prompts have no responses yet; add --regenerate local "
+                        "(or a server URL)")
+    settings = {"target": target.identity, "temperature": dc.self_prompt_temperature,
+                "max_new_tokens": dc.self_prompt_max_tokens, "seed": dc.seed}
+    if dc.stop_tokens:
+        settings["stop_ids"] = template.stop_ids
+    path = out / f"self-prompts-{sha256_json(settings)[:12]}.jsonl"
+    try:
+        prompts, summary = write_self_prompts(target, template, dc.self_prompts, path,
+                                              temperature=dc.self_prompt_temperature,
+                                              max_new_tokens=dc.self_prompt_max_tokens,
+                                              batch_size=dc.regen_batch_size, seed=dc.seed)
+    except ValueError as e:
+        raise EyasError(f"data.self_prompts: {e}") from None
+    convs = [Conversation(p["id"], [{"role": "user", "content": p["prompt"]}], f"{path.name}:{p['id']}")
+             for p in prompts]
+    return convs, {**summary, "file": path.name, "settings": settings}
 
 
 def _regenerate(cfg: RunConfig, target, template: ChatTemplate, convs: list[Conversation], out: Path,
@@ -216,6 +244,14 @@ def prepare(cfg: RunConfig, out_dir: str | Path, target) -> dict:
         raise EyasError(str(e)) from None
     report = _Report()
     convs, source = _load_conversations(cfg, report)
+    if cfg.data.self_prompts:
+        own, source["self_prompts"] = _self_prompts(cfg, target, template, out)
+        taken = {c.sample_id for c in convs}
+        for c in own:
+            if c.sample_id in taken:  # an input record already named self-NNNNNNN
+                report.skip("duplicate_id", c.where, f"id {c.sample_id!r} is taken by an input record")
+            else:
+                convs.append(c)
     num_read = len(convs) + sum(report.counts.values())
     _strict_check(cfg, report)
     regen = None

@@ -169,7 +169,9 @@ def generate_batch(model, prompts: list[list[int]], *, max_new_tokens: int, stop
     for step in range(max_new_tokens):
         if temperature > 0:
             probs = torch.softmax(logits.float() / temperature, dim=-1)
-            tok = torch.multinomial(probs.cpu(), 1, generator=generator).squeeze(1).to(device)  # [b]
+            # sampled where the generator lives: a CPU generator on a GPU model costs a [b, V] copy per step
+            where = generator.device if generator is not None else device
+            tok = torch.multinomial(probs.to(where), 1, generator=generator).squeeze(1).to(device)  # [b]
         else:
             tok = logits.argmax(-1)  # [b]
         new[rows, step] = tok
@@ -211,7 +213,7 @@ def regenerate_local(target, prompts: list[dict], out_path: str | Path, *, templ
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else template.stop_ids[0]
     encoded = [(p, template.prompt_ids(p["messages"])) for p in todo]
     encoded.sort(key=lambda e: len(e[1]))  # similar lengths share a batch: little padding
-    generator = torch.Generator().manual_seed(seed)
+    generator = torch.Generator(device=next(target.model.parameters()).device).manual_seed(seed)
     saved_threads = torch.get_num_threads()
     if threads > 0:
         torch.set_num_threads(threads)

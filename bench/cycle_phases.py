@@ -1,0 +1,125 @@
+"""Where a speculative cycle's time goes on the GPU: each CUDA graph of a chain cycle timed alone.
+
+    python bench/cycle_phases.py --draft RUN/train [--steps 3,5,7] [--prompts 4]
+
+The engine's graphed path queues a whole cycle (graphs `chain`, `verify`, `rebuild`; eyas/spec/graphs.py)
+ahead of the host, so an end-to-end run cannot say which phase costs what. Here, after decoding each
+prompt normally (which captures the graphs and fills both caches), every graph is replayed alone
+--repeats times between CUDA events, with the committed length reset before each replay, so the
+phases run at the cache length the decoding reached. The plain-decoding step graph is timed the same
+way. The last table gives each phase in milliseconds and in plain steps, their sum, and the cycle
+time the real decoding measured (total time / cycles): the difference is what the phases alone do
+not explain (host work, launch gaps, reads).
+
+SmolLM2 in bf16 on CUDA. `--cpu` runs the same passes eagerly in fp32 (a check of the script, not a
+measurement).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from eyas.commands.eval import build_engine
+from eyas.data.benchmarks import mtbench_questions
+from eyas.spec.bench import encode_turn
+from eyas.target import load_target
+
+
+def timed(step, reset, repeats: int, cuda: bool) -> float:
+    """Median milliseconds of one replay of `step` (GPU time between events on CUDA), `reset` run (untimed)
+    before each."""
+    times = []
+    for _ in range(repeats):
+        reset()
+        if cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            step()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            step()
+            times.append(1000 * (time.perf_counter() - t0))
+    return statistics.median(times)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--draft", required=True, help="a training run dir, step dir or export dir")
+    p.add_argument("--steps", default="3,5,7", help="chain lengths")
+    p.add_argument("--prompts", type=int, default=4, help="MT-bench first turns to decode")
+    p.add_argument("--new-tokens", type=int, default=256)
+    p.add_argument("--repeats", type=int, default=50)
+    p.add_argument("--cpu", action="store_true", help="eager fp32 on the CPU: checks the script only")
+    args = p.parse_args()
+    cuda = not args.cpu
+    if cuda and not torch.cuda.is_available():
+        raise SystemExit("needs a CUDA GPU (the phases are CUDA graphs); --cpu checks the script")
+    target = load_target("smollm2", device="cuda" if cuda else "cpu", dtype="bf16" if cuda else "fp32")
+    engine, _ = build_engine(target, args.draft, cuda_graphs=True)
+    if not cuda:  # the static path, eagerly
+        from eyas.spec.engine import SpecEngine
+
+        engine = SpecEngine(target.model, engine.draft, engine.runner.aux_layers, sync_timing=False, static=True)
+    tok = target.tokenizer
+    eos = {tok.eos_token_id}
+    prompts = [encode_turn(tok, [{"role": "user", "content": q["turns"][0]}])
+               for q in mtbench_questions()[:args.prompts]]
+    rows = []
+    plain_ms, plain_cycle = [], []
+    for ids in prompts:
+        res = engine.plain_generate(ids, args.new_tokens, eos_token_ids=eos)
+        plain_cycle.append(1000 * res.total_s / max(1, len(res.tokens)))
+        dec = engine._decoder
+        n0 = int(dec.n)
+        b = dec._plain_buffers()
+
+        def reset(n0=n0):
+            dec.n.fill_(n0 - 1)
+
+        plain_ms.append(timed(b["step"], reset, args.repeats, cuda))
+    plain = statistics.median(plain_ms)
+    rows.append(("plain step", plain, 1.0, statistics.median(plain_cycle), None))
+    for k in (int(s) for s in args.steps.split(",")):
+        per = {"chain": [], "verify": [], "rebuild": [], "cycle": [], "tau": []}
+        for ids in prompts:
+            res = engine.generate(ids, args.new_tokens, steps=k, eos_token_ids=eos)
+            per["cycle"].append(1000 * res.total_s / max(1, res.num_cycles))
+            per["tau"].append(res.tau)
+            dec = engine._decoder
+            b = dec._chain_buffers(k)
+            n0 = int(dec.n)
+
+            def reset(n0=n0):
+                dec.n.fill_(n0 - k - 1)  # room for the rebuild's k + 1 writes inside what decoding used
+                dec.a.zero_()
+
+            engine.runner.attach()  # the verify pass reads the aux layers through hooks (eager) or its graph
+            try:
+                for phase in ("chain", "verify", "rebuild"):
+                    per[phase].append(timed(b[phase], reset, args.repeats, cuda))
+            finally:
+                engine.runner.detach()
+        med = {key: statistics.median(v) for key, v in per.items()}
+        for phase in ("chain", "verify", "rebuild"):
+            rows.append((f"k={k} {phase}", med[phase], med[phase] / plain, None, None))
+        total = med["chain"] + med["verify"] + med["rebuild"]
+        rows.append((f"k={k} phases summed", total, total / plain, med["cycle"], med["tau"]))
+    where = f"bf16, CUDA graphs, {torch.cuda.get_device_name()}" if cuda else "fp32, eager on the CPU"
+    print(f"\nSmolLM2 {where}; {len(prompts)} MT-bench first turns, "
+          f"{args.new_tokens} new tokens; medians of {args.repeats} replays per phase")
+    print("| graph | GPU ms | plain steps | measured ms per step/cycle (end to end) | tau |")
+    print("|---|---|---|---|---|")
+    for name, ms, ratio, measured, tau in rows:
+        print(f"| {name} | {ms:.3f} | {ratio:.2f} | {'' if measured is None else f'{measured:.3f}'} | "
+              f"{'' if tau is None else f'{tau:.2f}'} |")
+
+
+if __name__ == "__main__":
+    main()

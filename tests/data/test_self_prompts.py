@@ -1,0 +1,112 @@
+"""Prompts the target writes itself: the template's opening, filtering, resume, and `eyas prepare --self-prompts`."""
+
+import json
+
+import pytest
+
+from eyas.cli import main as cli_main
+from eyas.config import ConfigError, load_config
+from eyas.data import load_prepared
+from eyas.data.self_prompts import _tally, user_turn_opening, write_self_prompts
+from eyas.data.template import ChatTemplate, stop_token_ids
+
+
+def test_opening_is_what_every_rendered_user_turn_starts_with(smollm2):
+    tok = smollm2.tokenizer
+    template = ChatTemplate(tok, stop_token_ids(tok, smollm2.model.generation_config))
+    opening = user_turn_opening(template)
+    text = tok.decode(opening)
+    # SmolLM2 puts its default system prompt first when none is given
+    assert text.startswith("<|im_start|>system\n") and text.endswith("<|im_start|>user\n")
+    for question in ("What is 2 + 2?", "Write a haiku about rain.\nMake it sad."):
+        ids = template.prompt_ids([{"role": "user", "content": question}])
+        assert ids[:len(opening)] == opening
+        assert tok.decode(ids[len(opening):]).startswith(question)
+
+
+def test_smollm2_writes_chat_requests(smollm2, tmp_path):
+    """The real target continues its user-turn opening with requests, not with its own answers."""
+    tok = smollm2.tokenizer
+    template = ChatTemplate(tok, stop_token_ids(tok, smollm2.model.generation_config))
+    prompts, summary = write_self_prompts(smollm2, template, 8, tmp_path / "p.jsonl", temperature=0.8,
+                                          max_new_tokens=64, batch_size=8, seed=0)
+    assert summary["num_written"] >= summary["num_kept"] == len(prompts) > 0
+    assert len({p["prompt"].lower() for p in prompts}) == len(prompts)
+    for p in prompts:
+        assert p["prompt"] and "<|im_" not in p["prompt"]
+    # most of them ask for something (a question or a request to the assistant)
+    asks = sum(("?" in p["prompt"]) or p["prompt"].split()[0].lower() in ("can", "write", "what", "how", "i", "please",
+                                                                           "explain", "give", "help", "create")
+               for p in prompts)
+    assert asks >= len(prompts) // 2, [p["prompt"] for p in prompts]
+
+
+def test_tally_drops_truncated_empty_and_duplicates_in_id_order():
+    recs = [{"id": "self-0", "prompt": "Plan a trip.", "finish": "stop"},
+            {"id": "self-1", "prompt": "cut off mid", "finish": "length"},
+            {"id": "self-2", "prompt": "  ", "finish": "stop"},
+            {"id": "self-3", "prompt": "plan  a TRIP.", "finish": "stop"},
+            {"id": "self-4", "prompt": " Name a colour. ", "finish": "stop"},
+            {"id": "self-5", "prompt": "Sort a list.", "finish": "stop"}]
+    kept, counts = _tally(recs, 2)
+    assert kept == [{"id": "self-0", "prompt": "Plan a trip."}, {"id": "self-4", "prompt": "Name a colour."}]
+    assert counts == {"kept": 3, "truncated": 1, "empty": 1, "duplicate": 1}
+
+
+def _write(target, path, n, batch_size=4):
+    template = ChatTemplate(target.tokenizer)
+    return write_self_prompts(target, template, n, path, temperature=1.0, max_new_tokens=6, batch_size=batch_size,
+                              seed=3)
+
+
+def test_a_resumed_run_writes_what_an_uninterrupted_one_does(tiny_target, tmp_path):
+    whole, _ = _write(tiny_target, tmp_path / "a.jsonl", 6)
+    lines = (tmp_path / "a.jsonl").read_bytes().splitlines(keepends=True)
+    assert len(lines) >= 6 and len(lines) % 4 == 0  # whole batches of 4
+    # a crash after the first batch, in the middle of writing the second
+    (tmp_path / "b.jsonl").write_bytes(b"".join(lines[:4]) + lines[4][:10])
+    resumed, summary = _write(tiny_target, tmp_path / "b.jsonl", 6)
+    assert resumed == whole and (tmp_path / "b.jsonl").read_bytes() == (tmp_path / "a.jsonl").read_bytes()
+    assert summary["num_written"] == len(lines)
+    again, summary = _write(tiny_target, tmp_path / "b.jsonl", 6)  # complete: nothing more is generated
+    assert again == whole and summary["num_tokens_this_run"] == 0
+
+
+def test_gives_up_at_twice_the_number_asked(tiny_target, tmp_path, capsys):
+    """The random tiny model rarely says its stop token within 6 tokens: most requests are cut off."""
+    prompts, summary = _write(tiny_target, tmp_path / "p.jsonl", 10, batch_size=8)
+    assert summary["num_written"] == 20 and len(prompts) < 10
+    assert summary["dropped"]["truncated"] == 20 - len(prompts) - summary["dropped"]["duplicate"] - summary["dropped"]["empty"]
+    assert "usable prompts of the 10 asked" in capsys.readouterr().out
+
+
+def test_prepare_adds_them_to_the_corpus(tmp_path):
+    out = tmp_path / "out"
+    rc = cli_main(["prepare", "--config", "tiny", "--out", str(out), "--num-prompts", "3", "--self-prompts", "4",
+                   "--max-length", "2048", "--set", "data.regen_max_new_tokens=4",
+                   "--set", "data.self_prompt_max_tokens=40",
+                   # the random tiny model seldom says <|im_end|>: twenty more stop tokens end most requests early
+                   "--set", "data.stop_tokens=" + ",".join("abcdefghijklmnopqrst")])
+    assert rc == 0
+    s = json.loads((out / "prepare.json").read_text())
+    own = s["source"]["self_prompts"]
+    written = [json.loads(line) for line in (out / own["file"]).read_text().splitlines()]
+    kept_ids = [r["id"] for r in written if r["finish"] == "stop" and r["prompt"].strip()][:4]
+    ids = load_prepared(out)["sample_id"]
+    assert own["num_kept"] == len(kept_ids) > 0 and s["num_kept"] == 3 + own["num_kept"]
+    assert sorted(i for i in ids if i.startswith("self-")) == kept_ids
+    # each request is the user turn of its sample, answered by the regeneration
+    regen = {json.loads(line)["id"] for line in (out / s["regeneration"]["results"]).read_text().splitlines()}
+    assert set(kept_ids) <= regen
+
+
+def test_config_and_input_errors(tmp_path, capsys):
+    with pytest.raises(ConfigError, match="self_prompt_temperature"):
+        load_config("tiny", ["data.self_prompts=5", "data.self_prompt_temperature=0"])
+    rc = cli_main(["prepare", "--config", "tiny", "--out", str(tmp_path / "a"), "--num-prompts", "0"])
+    assert rc == 2 and "--self-prompts N" in capsys.readouterr().err
+    src = tmp_path / "d.jsonl"
+    src.write_text(json.dumps({"id": "x", "prompt": "q", "response": "a"}) + "\n")
+    rc = cli_main(["prepare", "--config", "tiny", "--data", str(src), "--self-prompts", "2", "--out", str(tmp_path / "b")])
+    assert rc == 2 and "--regenerate local" in capsys.readouterr().err
+    assert not (tmp_path / "b" / "prepare.json").exists()
