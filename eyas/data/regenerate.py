@@ -124,7 +124,52 @@ class _BatchCache:
         self.kv = [(k[rows], v[rows]) for k, v in self.kv]
 
 
-@torch.inference_mode()
+GROUPED_DECODE = "eyas_grouped_decode_sdpa"
+
+
+def grouped_decode_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None,
+                        **kwargs):
+    """transformers' SDPA attention, except for one-token queries of a grouped-query model.
+
+    With a mask on CUDA, transformers copies each kv head for its query heads before SDPA (repeat_kv):
+    in a wide decoding batch that copy of the whole cache was half of the device time of a step
+    (bench/regen_profile.py). A one-token query needs no copy: the g query heads of a kv head become
+    g query rows of that head (query head h uses kv head h // g, as repeat_kv pairs them), and the
+    [B, 1, 1, L] mask broadcasts over them.
+    """
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    b, num_heads, q_len, head_dim = query.shape
+    num_kv = key.shape[1]
+    if q_len != 1 or num_heads == num_kv or dropout or kwargs.get("output_attentions"):
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      is_causal=is_causal, **kwargs)
+    q = query.view(b, num_kv, num_heads // num_kv, head_dim)  # [B, KV, g, D]
+    out = torch.nn.functional.scaled_dot_product_attention(q, key, value, attn_mask=attention_mask, scale=scaling)
+    return out.reshape(b, num_heads, 1, head_dim).transpose(1, 2), None  # [B, 1, H, D]
+
+
+class _GroupedDecode:
+    """Within the block, a model that uses SDPA decodes through grouped_decode_sdpa; restored after."""
+
+    def __init__(self, model):
+        self.model, self.saved = model, None
+
+    def __enter__(self):
+        config = self.model.config
+        if getattr(config, "_attn_implementation", None) == "sdpa":
+            from transformers import AttentionInterface
+
+            AttentionInterface.register(GROUPED_DECODE, grouped_decode_sdpa)
+            self.saved = "sdpa"
+            config._attn_implementation = GROUPED_DECODE
+        return self
+
+    def __exit__(self, *exc):
+        if self.saved is not None:
+            self.model.config._attn_implementation = self.saved
+
+
 def generate_batch(model, prompts: list[list[int]], *, max_new_tokens: int, stop_ids: list[int], pad_id: int,
                    temperature: float = 0.0, generator: torch.Generator | None = None,
                    check_every: int = 16) -> list[dict]:
@@ -136,6 +181,15 @@ def generate_batch(model, prompts: list[list[int]], *, max_new_tokens: int, stop
     they are half of the batch) and reads them once at the end. A row that has stopped keeps decoding
     until then; what follows its stop token is discarded.
     """
+    with _GroupedDecode(model):
+        return _generate(model, prompts, max_new_tokens=max_new_tokens, stop_ids=stop_ids, pad_id=pad_id,
+                         temperature=temperature, generator=generator, check_every=check_every)
+
+
+@torch.inference_mode()
+def _generate(model, prompts: list[list[int]], *, max_new_tokens: int, stop_ids: list[int], pad_id: int,
+              temperature: float, generator: torch.Generator | None, check_every: int) -> list[dict]:
+    """The loop of generate_batch (its docstring says what it does)."""
     param = next(model.parameters())
     device = param.device
     num_rows, width = len(prompts), max(len(p) for p in prompts)

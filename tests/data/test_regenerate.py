@@ -10,9 +10,10 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import torch
+from torch.testing import assert_close
 
 from eyas.data.endpoint import regenerate_endpoint
-from eyas.data.regenerate import generate_batch, read_results, regenerate_local
+from eyas.data.regenerate import generate_batch, grouped_decode_sdpa, read_results, regenerate_local
 from eyas.data.template import ChatTemplate, stop_token_ids
 
 PROMPTS = [{"id": f"p{i:02d}", "messages": [{"role": "user", "content": "word " * (i % 7) + f"number {i}"}]}
@@ -30,6 +31,46 @@ def test_batched_left_padded_greedy_equals_plain_generate(tiny_target):
                              pad_token_id=tok.pad_token_id)[0, len(p):].tolist()
         ref = ref[: ref.index(ct.stop_ids[0])] if ct.stop_ids[0] in ref else ref
         assert res["tokens"] == ref
+
+
+def test_grouped_decode_attention_equals_transformers_sdpa():
+    """One-token queries of a GQA model attend without copying kv heads, and give what repeat_kv + SDPA gives."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    module = torch.nn.Module()
+    module.num_key_value_groups, module.is_causal = 3, True
+    g = torch.Generator().manual_seed(0)
+    b, kv, d, length = 4, 2, 8, 11
+    key, value = torch.randn(b, kv, length, d, generator=g), torch.randn(b, kv, length, d, generator=g)
+    mask = torch.rand(b, 1, 1, length, generator=g) > 0.3
+    mask[..., -1] = True  # every row sees at least its own key
+    for q_len in (1, 5):  # decode (grouped) and prefill (transformers' own path)
+        query = torch.randn(b, kv * 3, q_len, d, generator=g)
+        m = mask.expand(b, 1, q_len, length)
+        ours, _ = grouped_decode_sdpa(module, query, key, value, m, scaling=0.3)
+        ref, _ = sdpa_attention_forward(module, query, key, value, m, scaling=0.3)
+        assert ours.shape == ref.shape == (b, q_len, kv * 3, d)
+        assert_close(ours, ref)
+
+
+def test_generation_decodes_through_the_grouped_attention_and_restores_sdpa(tiny_target, monkeypatch):
+    import eyas.data.regenerate as regen
+
+    calls = []
+
+    def counted(module, query, *args, **kwargs):
+        calls.append(query.shape[2])
+        return grouped_decode_sdpa(module, query, *args, **kwargs)
+
+    monkeypatch.setattr(regen, "grouped_decode_sdpa", counted)
+    model, tok = tiny_target.model, tiny_target.tokenizer
+    assert model.config._attn_implementation == "sdpa" and model.config.num_key_value_heads < model.config.num_attention_heads
+    ct = ChatTemplate(tok)
+    prompts = [ct.prompt_ids(p["messages"]) for p in PROMPTS[:3]]
+    generate_batch(model, prompts, max_new_tokens=5, stop_ids=[999999], pad_id=tok.pad_token_id)
+    layers = model.config.num_hidden_layers
+    assert calls.count(1) == 4 * layers and len(calls) == 5 * layers  # 4 decode steps after the prefill
+    assert model.config._attn_implementation == "sdpa"
 
 
 def test_stop_token_ends_a_row_early(tiny_target):
