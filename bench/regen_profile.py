@@ -1,6 +1,6 @@
 """Where a step of batched regeneration goes: torch.profiler over a few decoding steps of one wide batch.
 
-    python bench/regen_profile.py [--batch 512] [--new-tokens 48] [--prompt-tokens 200]
+    python bench/regen_profile.py [--batch 512] [--new-tokens 48] [--prompt-tokens 200] [--compare]
 
 Decodes one batch of built-in corpus prompts (cut to --prompt-tokens so every row is busy) with
 eyas.data.regenerate.generate_batch, first untimed (warm-up), then under the profiler. Prints the
@@ -27,6 +27,8 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=512)
     p.add_argument("--new-tokens", type=int, default=48)
     p.add_argument("--prompt-tokens", type=int, default=200)
+    p.add_argument("--compare", action="store_true",
+                   help="time transformers' SDPA path against eyas' grouped decoding instead of profiling")
     args = p.parse_args()
     cuda = torch.cuda.is_available()
     target = load_target("smollm2", device="cuda" if cuda else "cpu", dtype="bf16" if cuda else "fp32")
@@ -47,6 +49,23 @@ def main() -> None:
 
     run()
     wall = run()
+    if args.compare:  # the same batch through transformers' own SDPA path (kv heads copied per layer)
+        import eyas.data.regenerate as regen
+
+        saved = regen._GroupedDecode.__enter__
+        regen._GroupedDecode.__enter__ = lambda self: self
+        try:
+            run()
+            plain = run()
+        finally:
+            regen._GroupedDecode.__enter__ = saved
+        print(f"\nbatch {args.batch}, {args.new_tokens} new tokens after {max(len(x) for x in prompts)}-token prompts")
+        print("| attention for decoding | wall ms per step (prefill included) | new tok/s |")
+        print("|---|---|---|")
+        for name, seconds in (("transformers SDPA (kv heads copied)", plain), ("eyas grouped SDPA", wall)):
+            print(f"| {name} | {1000 * seconds / args.new_tokens:.2f} | {args.batch * args.new_tokens / seconds:,.0f} |")
+        print(f"speed-up {plain / wall:.2f}x")
+        return
     from torch.profiler import ProfilerActivity, profile
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
