@@ -112,6 +112,25 @@ def draft_step(draft: Eagle3Draft, h, ids_k, cos, sin, k0, v0, diag_k: list, dia
     return layer.finish(h, attn.o_proj(out)), kk, vv
 
 
+def _dynamic(*tensors) -> None:
+    """Mark the batch and sequence dimensions of a compiled step's inputs dynamic before the first call.
+
+    Otherwise the compiler specialises the first graph of each unrolled step on the first batch's shape
+    and compiles it again, with those dimensions dynamic, for each dimension that changes later (batch
+    rows, then length). Dense attention only: with flex attention the block mask, built outside the
+    compiled step for one length, pins the length anyway (on this CPU, marked or not, the flex steps
+    compiled again for new lengths), and the `full` preset's first 40 steps on the H200 spent about
+    370 s compiling. Inputs are [B, T, ...] (hidden states, ids, rope tables) or [B, heads, T, d].
+    """
+    import torch._dynamo as dynamo
+
+    for x in tensors:
+        if x is None:
+            continue
+        dynamo.maybe_mark_dynamic(x, 0)
+        dynamo.maybe_mark_dynamic(x, 2 if x.dim() == 4 else 1)
+
+
 @dataclass
 class TTTResult:
     """The differentiable loss plus per-step statistics, kept on the device until first read (one sync).
@@ -191,7 +210,10 @@ def ttt_forward(draft: Eagle3Draft, batch: dict, lm_head_weight: torch.Tensor, t
     for k in range(ttt):
         cos, sin = rope_cos_sin(cfg, pos + k, h.dtype)
         mask = ttt_block_mask(t, k, ids.device) if attention == "flex" else None
-        h, kk, vv = step_fn(draft, h, shift_left(ids, 1 + k), cos, sin, k0, v0, diag_k, diag_v, attention, mask)
+        ids_k = shift_left(ids, 1 + k)
+        if step_fn is not draft_step and attention == "dense":  # compiled: one graph per step (see _dynamic)
+            _dynamic(h, ids_k, cos, sin, k0, v0, *diag_k, *diag_v)
+        h, kk, vv = step_fn(draft, h, ids_k, cos, sin, k0, v0, diag_k, diag_v, attention, mask)
         if k == 0:
             k0, v0 = kk, vv
         else:

@@ -96,3 +96,23 @@ def test_compiling_the_step_leaves_room_for_every_unrolled_graph():
         assert dynamo.config.recompile_limit >= 4 * 8
     finally:
         dynamo.config.recompile_limit = before
+
+
+def test_a_compiled_dense_step_is_traced_once_for_every_batch_shape():
+    """Batches change their rows and length; the compiled steps are marked dynamic in both up front, so each
+    of the K unrolled steps is traced once, not once per new dimension (dynamo's eager backend: no codegen)."""
+    import torch._dynamo as dynamo
+    from torch._dynamo.utils import counters
+
+    from eyas.train.ttt import draft_step
+
+    dynamo.reset()
+    counters.clear()
+    draft, k = make_draft(), 3
+    step_fn = torch.compile(draft_step, backend="eager")
+    lm_head = torch.randn(V, H)
+    for i, lengths in enumerate([[40, 33], [50, 20, 17], [64, 60], [30] * 4]):
+        res = ttt_forward(draft, make_batch(lengths, seed=i), lm_head, k, step_fn=step_fn)
+        res.loss.backward()
+    assert counters["stats"]["unique_graphs"] == k
+    dynamo.reset()
