@@ -9,6 +9,10 @@ headline figures of every result there, merged across runs (the pipeline runs on
 per process), written atomically. An entry's `wall_s` counts from the command's start or its previous
 entry, so the first one also carries loading the target and the warm-up, and the entries sum to the
 commands' wall time.
+
+While a setting runs, each finished request is appended to RESULT.requests.jsonl beside it: an eval that
+is killed keeps those, and the same command run again decodes only the missing requests (the plain
+decoding baseline is run again in full). The file goes once RESULT.json is written.
 """
 
 from __future__ import annotations
@@ -24,6 +28,10 @@ HEADLINE = ("tau_pooled", "tau_per_request", "speedup_vs_plain", "speedup_vs_hf"
             "hf_tokens_per_s", "plain_mismatches", "num_requests", "num_tokens", "num_cycles", "total_s")
 
 HELP = "speculative decoding with a draft: acceptance length and speedup"
+EPILOG = """\
+writes RESULT.json (+ .png) per benchmark and setting and summary.json beside them. While a setting runs,
+finished requests go to RESULT.requests.jsonl: if the eval is killed, the same command again decodes only
+the requests that are missing (the plain-decoding baseline runs again in full)."""
 
 
 def add_arguments(p) -> None:
@@ -136,7 +144,8 @@ def run_benches(cfg, engine, target, info: dict, settings, draft: str, result_pa
         results[bench_name(bench)] = bench_one(engine, target, bench, settings, cfg.eval.temperature,
                                                cfg.eval.max_new_tokens, cfg.eval.limit, paths, hf=hf,
                                                extra_settings={"draft": draft, "aux_layers": info["aux"],
-                                                               "cuda_graphs": engine.static})
+                                                               "cuda_graphs": engine.static,
+                                                               "draft_weights": info["meta"].get("weights_stamp")})
         started = update_summary(bench, results[bench_name(bench)], paths, cfg, draft, started)
         if report:
             print0(f"results: {', '.join(str(p[0]) for p in paths.values())}; "
@@ -210,6 +219,17 @@ def evaluate(cfg, draft_path, out_dir, target=None, hf: bool | None = None) -> d
                        lambda bench, name: out_dir / f"{bench}-{name}.json", started, hf=hf)
 
 
+def weights_stamp(draft_path) -> str:
+    """A short id of the draft's weight files (names, sizes, modification times): a draft retrained in place
+    gets a new one, so an interrupted eval's requests are not reused for it (eyas.spec.bench.RequestJournal)."""
+    from eyas.common import sha256_json
+    from eyas.export.load import resolve_draft_dir
+
+    d = resolve_draft_dir(draft_path)
+    files = sorted(f for f in d.iterdir() if f.suffix in (".safetensors", ".bin", ".pt") and f.is_file())
+    return sha256_json([(str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns) for f in files])[:16]
+
+
 def build_engine(target, draft_path, aux_layers=None, cuda_graphs: bool = False) -> tuple[SpecEngine, dict]:
     """Load a draft for `target` and check that it fits; -> (engine, {"aux": HF ids, "meta": draft meta}).
     cuda_graphs: on a CUDA target, the engine's static path (graphs, one cycle queued ahead, so only the
@@ -220,6 +240,7 @@ def build_engine(target, draft_path, aux_layers=None, cuda_graphs: bool = False)
     from eyas.target import resolve_aux_layers
 
     draft, meta = load_draft(draft_path, embed_tokens=target.embed_tokens.weight)
+    meta["weights_stamp"] = weights_stamp(draft_path)
     dc = draft.cfg
     if dc.hidden_size != target.hidden_size or dc.vocab_size != target.vocab_size:
         raise EyasError(f"draft {draft_path} was built for hidden size {dc.hidden_size} and vocab {dc.vocab_size}, "

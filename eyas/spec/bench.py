@@ -14,7 +14,7 @@ import platform
 import time
 from pathlib import Path
 
-from eyas.common import EyasError, atomic_write_json, print0, progress
+from eyas.common import EyasError, atomic_write_json, print0, progress, sha256_json
 from eyas.spec.engine import SpecEngine
 from eyas.spec.stats import format_summary, plot_acceptance, summarize
 
@@ -105,12 +105,44 @@ def _generator(engine, seed: int):
     return torch.Generator(device=engine.device).manual_seed(seed)
 
 
+class RequestJournal:
+    """The finished requests of one benchmark setting, one JSON line each, beside its result
+    (RESULT.requests.jsonl): an eval that is killed or runs out of time keeps what it decoded, and a
+    rerun with the same settings (same key: benchmark, setting, target, draft weights, limits) decodes
+    only the rest. Lines of another key are ignored. Removed once the result JSON is written.
+    At temperature > 0 a resumed run draws the remaining requests from a fresh generator.
+    """
+
+    def __init__(self, path: Path, key: str):
+        from eyas.data.regenerate import ResultsFile, read_results
+
+        self.path, self.key = Path(path), key
+        self.done = {i: r for i, r in read_results(self.path).items() if r.get("key") == key}
+        self.sink = ResultsFile(self.path)
+
+    def add(self, slot: str, record: dict, stats: dict) -> None:
+        self.sink.append([{"id": slot, "key": self.key, "record": record, "stats": stats}])
+
+    def finish(self) -> None:
+        self.sink.close()
+        self.path.unlink(missing_ok=True)
+
+
 def run_spec(engine: SpecEngine, tokenizer, requests: list[dict], setting: dict, temperature: float,
-             max_new_tokens: int, eos: list[int], seed: int = 0, desc: str = "") -> tuple[list[dict], list[dict]]:
-    """-> (per-request records for the JSON, per-request stats for `summarize`)."""
+             max_new_tokens: int, eos: list[int], seed: int = 0, desc: str = "",
+             journal: RequestJournal | None = None) -> tuple[list[dict], list[dict]]:
+    """-> (per-request records for the JSON, per-request stats for `summarize`); requests already in
+    `journal` are taken from it, new ones are added to it as they finish."""
     gen = _generator(engine, seed)
     records, stats = [], []
-    for req in progress(requests, desc=desc, unit="req"):
+    resumed = 0
+    for i, req in enumerate(progress(requests, desc=desc, unit="req")):
+        slot = f"{i}:{req['id']}"  # ids of a user's file may repeat; positions do not
+        if journal is not None and slot in journal.done:
+            records.append(journal.done[slot]["record"])
+            stats.append(journal.done[slot]["stats"])
+            resumed += 1
+            continue
         history, turns = [], []
         st = {"accepted": [], "num_tokens": 0, "draft_s": 0.0, "verify_s": 0.0, "prefill_s": 0.0, "total_s": 0.0}
         for text in req["turns"]:
@@ -128,6 +160,11 @@ def run_spec(engine: SpecEngine, tokenizer, requests: list[dict], setting: dict,
                 st[k] += getattr(res, k)
         records.append({"id": req["id"], "turns": turns})
         stats.append(st)
+        if journal is not None:
+            journal.add(slot, records[-1], st)
+    if resumed:
+        print0(f"{desc}: {resumed} of {len(requests)} requests taken from {journal.path.name} (an earlier, "
+               f"interrupted run with the same settings)")
     return records, stats
 
 
@@ -192,8 +229,16 @@ def bench_one(engine, target, bench: str, settings, temperature: float, max_new_
     for name, setting in settings:
         started = time.perf_counter()
         depth = setting.get("steps") or setting["tree"][1]
+        run_settings = {"bench": bench, "setting": name, **{k: list(v) if isinstance(v, tuple) else v
+                                                            for k, v in setting.items()},
+                        "temperature": temperature, "max_new_tokens": max_new_tokens, "limit": limit,
+                        "target": target.identity, "device": str(engine.device), "dtype": str(target.dtype),
+                        "host": platform.node(), **(extra_settings or {})}
+        json_path, png_path = out_paths[(bench, name)]
+        journal = RequestJournal(json_path.with_name(json_path.stem + ".requests.jsonl"),
+                                 sha256_json({k: v for k, v in run_settings.items() if k != "host"})[:16])
         records, stats = run_spec(engine, tok, requests, setting, temperature, max_new_tokens, eos,
-                                  desc=f"{bench_name(bench)} {name}")
+                                  desc=f"{bench_name(bench)} {name}", journal=journal)
         if baseline is None:
             baseline = run_baselines(engine, target.model, records, temperature, max_new_tokens, eos, hf=hf,
                                      pad_id=tok.pad_token_id)
@@ -211,17 +256,13 @@ def bench_one(engine, target, bench: str, settings, temperature: float, max_new_
             for t in r["turns"]:
                 t["num_prompt_tokens"] = len(t["prompt_ids"])
         result = {
-            "settings": {"bench": bench, "setting": name, **{k: list(v) if isinstance(v, tuple) else v
-                                                          for k, v in setting.items()},
-                         "temperature": temperature, "max_new_tokens": max_new_tokens, "limit": limit,
-                         "target": target.identity, "device": str(engine.device), "dtype": str(target.dtype),
-                         "host": platform.node(), **(extra_settings or {})},
+            "settings": run_settings,
             "summary": summary,
             "baseline": {k: v for k, v in baseline.items() if k != "plain_tokens"},
             "prompts": records,
         }
-        json_path, png_path = out_paths[(bench, name)]
         atomic_write_json(json_path, result)
+        journal.finish()
         plot_acceptance(summary, f"{bench_name(bench)} {name}", png_path)
         print0(format_summary(f"{bench_name(bench)} {name}", summary))
         if summary.get("plain_mismatches"):

@@ -175,3 +175,52 @@ def test_eval_reads_exports_and_research_checkpoints(fmt, tmp_path, tiny_target)
     torch.testing.assert_close(ours, ref, rtol=0, atol=0)
     prompt = [1, 72, 101, 108, 108, 111, 2]
     assert engine.generate(prompt, 10, steps=3).tokens == engine.plain_generate(prompt, 10).tokens
+
+
+def test_an_interrupted_eval_keeps_its_requests_and_a_rerun_decodes_only_the_rest(tmp_path, tiny_target, monkeypatch,
+                                                                                  capsys):
+    from eyas.commands.eval import evaluate
+    from eyas.config import load_config
+    from eyas.spec.engine import SpecEngine
+
+    step = save_step_dir(tmp_path / "step", tiny_target)
+    bench = tmp_path / "p.jsonl"
+    bench.write_text("".join(json.dumps({"id": f"q{i}", "prompt": f"question {i} " * (i + 1)}) + "\n" for i in range(4)))
+    sets = [f"eval.benches={bench}", "eval.steps=2", "eval.tree=null", "eval.limit=0", "eval.hf_baseline=false"]
+    cfg = load_config("tiny", sets + ["eval.max_new_tokens=5"])
+    whole = evaluate(cfg, step, tmp_path / "whole", target=tiny_target)["p"]["chain-2"]
+    reference = json.loads((tmp_path / "whole" / "p-chain-2.json").read_text())["prompts"]
+    assert not (tmp_path / "whole" / "p-chain-2.requests.jsonl").exists()  # removed once the result is written
+
+    calls = []
+    real = SpecEngine.generate
+
+    def dies_on_the_third_request(self, *args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3 + 1:  # the warm-up's call, then two requests, then the end of the device time
+            raise KeyboardInterrupt
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(SpecEngine, "generate", dies_on_the_third_request)
+    with pytest.raises(KeyboardInterrupt):
+        evaluate(cfg, step, tmp_path / "eval", target=tiny_target)
+    journal = tmp_path / "eval" / "p-chain-2.requests.jsonl"
+    kept = [json.loads(line) for line in journal.read_text().splitlines()]
+    assert [k["id"] for k in kept] == ["0:q0", "1:q1"] and not (tmp_path / "eval" / "p-chain-2.json").exists()
+
+    calls.clear()
+    monkeypatch.setattr(SpecEngine, "generate", lambda self, *a, **k: calls.append(1) or real(self, *a, **k))
+    resumed = evaluate(cfg, step, tmp_path / "eval", target=tiny_target)["p"]["chain-2"]
+    assert len(calls) == 1 + 2  # the warm-up and the two requests the first run did not finish
+    assert "2 of 4 requests taken from p-chain-2.requests.jsonl" in capsys.readouterr().out
+    doc = json.loads((tmp_path / "eval" / "p-chain-2.json").read_text())
+    assert [[t["tokens"] for t in p["turns"]] for p in doc["prompts"]] == \
+        [[t["tokens"] for t in p["turns"]] for p in reference]
+    assert resumed["tau_pooled"] == whole["tau_pooled"] and resumed["plain_mismatches"] == 0
+    assert not journal.exists()
+
+    # another setting (here the token limit) does not reuse the lines of an interrupted run
+    journal.write_text("".join(json.dumps(k) + "\n" for k in kept))
+    calls.clear()
+    evaluate(load_config("tiny", sets + ["eval.max_new_tokens=4"]), step, tmp_path / "eval", target=tiny_target)
+    assert len(calls) == 1 + 4
