@@ -90,10 +90,29 @@ def config_hash(config) -> str:
     return sha256_json(d)[:16]
 
 
+# texts whose token ids pin down how a tokenizer splits: words, numbers, code, whitespace, non-Latin, emoji
+_PROBE_TEXTS = ("Hello, world! The year 2026 has 365 days; 12345 + 678 = 13023.",
+                "def square(x):\n    return x ** 2  # comment\n\n\tif a != b: pass",
+                "  two leading spaces, CRLF\r\nand trailing   ",
+                "Ünïcödé café naïve — 日本語のテキスト — Привет — 🙂👍",
+                "https://example.com/path?q=1&r=two <b>tag</b> {\"json\": [1, 2.5, null]}")
+_PROBE_CHAT = [{"role": "user", "content": "Hi there"}, {"role": "assistant", "content": "Hello!"},
+               {"role": "user", "content": "Bye"}]
+
+
 def tokenizer_hash(tokenizer) -> str:
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    vocab = backend.to_str() if backend is not None else sorted(tokenizer.get_vocab().items())
-    return sha256_json({"vocab": vocab, "chat_template": tokenizer.chat_template,
+    """What the tokenizer does, not how a library version serialises it: the vocabulary, the ids of a few
+    probe texts, a probe conversation rendered with the chat template, and the special tokens. (The
+    serialised backend differed between two transformers/tokenizers versions for the same SmolLM2
+    tokenizer, and a dataset prepared on one machine was then refused by capture on the other.)"""
+    probe = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in _PROBE_TEXTS]
+    template = tokenizer.chat_template
+    if template:
+        try:
+            template = tokenizer.apply_chat_template(_PROBE_CHAT, tokenize=False, add_generation_prompt=True)
+        except Exception:  # noqa: BLE001 - a template that cannot render the probe is hashed as written
+            pass
+    return sha256_json({"vocab": sorted(tokenizer.get_vocab().items()), "probe": probe, "chat": template,
                         "eos": tokenizer.eos_token, "bos": tokenizer.bos_token})[:16]
 
 

@@ -116,6 +116,27 @@ def test_local_hf_directory_loads(tmp_path, tiny_target):
     assert again.identity["tokenizer_hash"] == tiny_target.identity["tokenizer_hash"]
 
 
+def test_tokenizer_hash_follows_what_the_tokenizer_does(smollm2, monkeypatch):
+    """Not how a library version serialises it (two transformers versions gave the same SmolLM2 tokenizer two
+    hashes, and capture then refused a dataset prepared on the other machine); any change of behaviour shows."""
+    import copy
+
+    from eyas.target.load import tokenizer_hash
+
+    tok = smollm2.tokenizer
+    base = tokenizer_hash(tok)
+    assert base == smollm2.identity["tokenizer_hash"]
+    backend = type(tok.backend_tokenizer)
+    monkeypatch.setattr(backend, "to_str", lambda self, *a, **k: "another serialisation", raising=False)
+    assert tokenizer_hash(tok) == base
+    other = copy.deepcopy(tok)
+    other.chat_template = tok.chat_template.replace("<|im_start|>", "<|im_start|> ")
+    assert tokenizer_hash(other) != base
+    other = copy.deepcopy(tok)
+    other.add_tokens(["<eyas-new-token>"])
+    assert tokenizer_hash(other) != base
+
+
 def test_unloadable_targets_are_one_line_errors(tmp_path, monkeypatch, tiny_target):
     """A corrupt GGUF, a broken config.json and a directory without tokenizer files: no traceback."""
     monkeypatch.setenv("EYAS_CACHE", str(tmp_path / "cache"))
