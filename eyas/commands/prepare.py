@@ -4,7 +4,8 @@
                  [--max-length N] [--on-long drop|truncate] [--strict] [--regenerate local|URL] [--draft-vocab N]
 
 Without --data it builds the built-in prompt corpus (data.num_prompts prompts made from text that
-ships with CPython); --self-prompts N adds N user prompts written by the target itself. Inputs: JSONL, JSON or Parquet files, `save_to_disk` directories or hub dataset
+ships with CPython, so the set differs between Python versions); --self-prompts N adds N user prompts
+written by the target itself. Inputs: JSONL, JSON or Parquet files, `save_to_disk` directories or hub dataset
 names (`org/name[:split]`), in ShareGPT, OpenAI-messages or {prompt, response} form. Records that
 cannot be used are skipped with a reason, counted in DIR/prepare.json; --strict makes any skip an error.
 """
@@ -56,7 +57,8 @@ def add_arguments(parser) -> None:
                              "an OpenAI-compatible server URL, or 'none' (default with --data: none; "
                              "without --data: the config's, 'local' in the presets)")
     parser.add_argument("--draft-vocab", type=int, metavar="N", help="draft vocabulary size, capped at the target's (default: data.draft_vocab of the config)")
-    parser.add_argument("--num-prompts", type=int, metavar="N", help="size of the built-in corpus, without --data (default: data.num_prompts of the config)")
+    parser.add_argument("--num-prompts", type=int, metavar="N", help="size of the built-in corpus, without --data (default: data.num_prompts of the config); "
+                             "it is made from CPython's own texts, so the prompts depend on the Python version")
     parser.add_argument("--self-prompts", type=int, metavar="N",
                         help="also have the target write N user prompts itself (it continues its chat template's "
                              "opening of a user turn; duplicates and cut-off ones are dropped) and answer them; "
