@@ -92,6 +92,15 @@ def _load_conversations(cfg: RunConfig, report: _Report) -> tuple[list[Conversat
     return convs, {"kind": "builtin-corpus", "num_prompts": len(prompts), "seed": dc.seed, "corpus_hash": digest}
 
 
+def _results_file(out: Path, prefix: str, cfg: RunConfig, template: ChatTemplate, settings: dict) -> tuple[dict, Path]:
+    """(settings, OUT/PREFIX-<settings hash>.jsonl): the append-only results file of a generation with these
+    settings, which a rerun with the same settings resumes. Extra stop tokens join the settings only when
+    set, so that results files of earlier runs keep their names."""
+    if cfg.data.stop_tokens:
+        settings = {**settings, "stop_ids": template.stop_ids}
+    return settings, out / f"{prefix}-{sha256_json(settings)[:12]}.jsonl"
+
+
 def _self_prompts(cfg: RunConfig, target, template: ChatTemplate, out: Path) -> tuple[list[Conversation], dict]:
     """data.self_prompts user requests written by the target (eyas/data/self_prompts.py), as conversations."""
     from eyas.data.self_prompts import write_self_prompts
@@ -100,11 +109,9 @@ def _self_prompts(cfg: RunConfig, target, template: ChatTemplate, out: Path) -> 
     if not dc.regenerate:
         raise EyasError("data.self_prompts: the target's own prompts have no responses yet; add --regenerate local "
                         "(or a server URL)")
-    settings = {"target": target.identity, "temperature": dc.self_prompt_temperature,
-                "max_new_tokens": dc.self_prompt_max_tokens, "seed": dc.seed}
-    if dc.stop_tokens:
-        settings["stop_ids"] = template.stop_ids
-    path = out / f"self-prompts-{sha256_json(settings)[:12]}.jsonl"
+    settings, path = _results_file(out, "self-prompts", cfg, template,
+                                   {"target": target.identity, "temperature": dc.self_prompt_temperature,
+                                    "max_new_tokens": dc.self_prompt_max_tokens, "seed": dc.seed})
     try:
         prompts, summary = write_self_prompts(target, template, dc.self_prompts, path,
                                               temperature=dc.self_prompt_temperature,
@@ -129,11 +136,10 @@ def _regenerate(cfg: RunConfig, target, template: ChatTemplate, convs: list[Conv
     for c in convs:
         msgs = c.messages[:-1] if c.messages[-1]["role"] == "assistant" else c.messages
         prompts.append({"id": c.sample_id, "messages": msgs})
-    settings = {"target": target.identity, "mode": dc.regenerate, "max_new_tokens": dc.regen_max_new_tokens,
-                "temperature": dc.regen_temperature, "seed": dc.seed}
-    if dc.stop_tokens:  # only when set, so that results files of earlier runs keep their names
-        settings["stop_ids"] = template.stop_ids
-    path = out / f"regen-{sha256_json(settings)[:12]}.jsonl"
+    settings, path = _results_file(out, "regen", cfg, template,
+                                   {"target": target.identity, "mode": dc.regenerate,
+                                    "max_new_tokens": dc.regen_max_new_tokens, "temperature": dc.regen_temperature,
+                                    "seed": dc.seed})
     todo_ids = {p["id"] for p in pending(prompts, read_results(path))}  # a resumed run generates only these
     t0 = time.perf_counter()
     if dc.regenerate == "local":
