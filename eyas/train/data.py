@@ -103,25 +103,29 @@ def prefetched(items: Iterator, depth: int = 2) -> Iterator:
 
     Reading a batch from the store and padding it (a few hundred ms for 65k tokens of features) then
     overlaps the previous step's compute. An exception in the producer is raised here, at the item where
-    it happened; closing this generator stops the producer at its next item.
+    it happened. Closing this generator stops the producer and waits for it: a thread left inside torch
+    when the interpreter exits can abort the process ("terminate called without an active exception").
     """
     q: queue.Queue = queue.Queue(maxsize=depth)
     stop = threading.Event()
 
+    def put(entry) -> bool:
+        while not stop.is_set():
+            try:
+                q.put(entry, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
     def produce():
         try:
             for item in items:
-                while not stop.is_set():
-                    try:
-                        q.put((item, None), timeout=0.1)
-                        break
-                    except queue.Full:
-                        continue
-                if stop.is_set():
+                if not put((item, None)):
                     return
-            q.put((_DONE, None))
+            put((_DONE, None))
         except BaseException as e:  # noqa: BLE001 - handed to the consumer, which raises it
-            q.put((_DONE, e))
+            put((_DONE, e))
 
     thread = threading.Thread(target=produce, name="eyas-batch-prefetch", daemon=True)
     thread.start()
@@ -135,6 +139,7 @@ def prefetched(items: Iterator, depth: int = 2) -> Iterator:
             yield item
     finally:
         stop.set()
+        thread.join()  # at most one item's production away
 
 
 @dataclass

@@ -161,41 +161,43 @@ def _train(cfg, tc, run_dir: Path, source: TrainSource, resume: bool, info: dist
     if tc.warmup_steps * 4 > total_steps and info.rank == 0:
         warn(f"train.warmup_steps={tc.warmup_steps} is {tc.warmup_steps / total_steps:.0%} of the {total_steps} steps: "
              f"the learning rate reaches train.lr only near the end; about 5-10 % of the steps is usual")
-    window = _Window(tc.ttt)
-    t_start = time.perf_counter() - state["elapsed_s"]
-    while state["step"] < total_steps:
-        for micro in range(tc.grad_accum):
-            state["epoch"], state["batch_index"], batch = next(stream)
-            last = micro == tc.grad_accum - 1
-            sync = model.no_sync() if (info.enabled and not tc.fsdp and not last) else contextlib.nullcontext()
-            with sync:
-                with autocast():
-                    res = model(batch, lm_head_weight)
-                (res.loss / tc.grad_accum).backward()
-            window.add(res, int(batch["attention_mask"].sum()))
-        torch.nn.utils.clip_grad_norm_(params, tc.grad_clip)
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
-        state["step"] += 1
-        step = state["step"]
-        val_due = val_batcher is not None and (step % tc.val_every == 0 or step == total_steps)
-        if step % tc.log_every == 0 or step == total_steps or val_due:
-            rec = window.record(step, scheduler.get_last_lr()[0], tc.loss_decay, info)
-            if val_due:
-                rec.update(score_held_out(model, val_batcher, lm_head_weight, autocast, info, tc, compile_step))
-                window.t0 = time.perf_counter()  # tokens_per_s counts training only
-            rec["peak_mem_GiB"] = peak_memory_gib(info.device)
-            state["tokens"] += rec.pop("_tokens")
-            state["elapsed_s"] = rec["elapsed_s"] = time.perf_counter() - t_start
-            state["last_metrics"] = rec
-            logger.log(rec, total_steps, tc.ttt)
-        if step % tc.save_every == 0 or step == total_steps:
-            state["elapsed_s"] = time.perf_counter() - t_start
-            save(step)
+    try:
+        window = _Window(tc.ttt)
+        t_start = time.perf_counter() - state["elapsed_s"]
+        while state["step"] < total_steps:
+            for micro in range(tc.grad_accum):
+                state["epoch"], state["batch_index"], batch = next(stream)
+                last = micro == tc.grad_accum - 1
+                sync = model.no_sync() if (info.enabled and not tc.fsdp and not last) else contextlib.nullcontext()
+                with sync:
+                    with autocast():
+                        res = model(batch, lm_head_weight)
+                    (res.loss / tc.grad_accum).backward()
+                window.add(res, int(batch["attention_mask"].sum()))
+            torch.nn.utils.clip_grad_norm_(params, tc.grad_clip)
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+            state["step"] += 1
+            step = state["step"]
+            val_due = val_batcher is not None and (step % tc.val_every == 0 or step == total_steps)
+            if step % tc.log_every == 0 or step == total_steps or val_due:
+                rec = window.record(step, scheduler.get_last_lr()[0], tc.loss_decay, info)
+                if val_due:
+                    rec.update(score_held_out(model, val_batcher, lm_head_weight, autocast, info, tc, compile_step))
+                    window.t0 = time.perf_counter()  # tokens_per_s counts training only
+                rec["peak_mem_GiB"] = peak_memory_gib(info.device)
+                state["tokens"] += rec.pop("_tokens")
+                state["elapsed_s"] = rec["elapsed_s"] = time.perf_counter() - t_start
+                state["last_metrics"] = rec
+                logger.log(rec, total_steps, tc.ttt)
+            if step % tc.save_every == 0 or step == total_steps:
+                state["elapsed_s"] = time.perf_counter() - t_start
+                save(step)
+    finally:
+        stream.close()  # stops and joins the batch-reading thread, also when a step raised
 
     # ---- finish
-    stream.close()  # stops the batch-reading thread
     curves = logger.close(tc.ttt)
     last = state["last_metrics"] or {}
     wall = state["elapsed_s"]  # training time of all sessions of this run (resumes add up)

@@ -180,6 +180,33 @@ def test_prefetched_raises_the_producers_error_and_stops_on_close():
     assert len(produced) <= 5 + 2 + 2  # it ran at most `depth` (+ the item in hand) ahead
 
 
+EXIT_WHILE_PRODUCING = """
+import torch
+from eyas.train.data import prefetched
+torch.set_num_threads(1)
+def items():
+    a = torch.randn(700, 700)
+    while True:
+        for _ in range(8):
+            a = torch.tanh(a @ a)  # the producer spends its time inside torch, with the GIL released
+        yield float(a.sum())
+stream = prefetched(items())
+next(stream)
+stream.close()
+print("closed", flush=True)
+"""
+
+
+def test_closing_the_prefetched_stream_lets_the_process_exit_cleanly():
+    """A producer thread still inside torch when the interpreter exits aborts the process ("terminate
+    called without an active exception", exit -6: seen once in CI after DDP training); closing the stream
+    must wait for it."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, "-c", EXIT_WHILE_PRODUCING], env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0 and proc.stdout == "closed\n", (proc.returncode, proc.stderr[-1000:])
+
+
 def test_held_out_samples_are_never_trained_on_and_are_scored_with_the_final_weights(tmp_path):
     from eyas.common import EyasError
     from eyas.train.loop import build_draft
