@@ -199,7 +199,7 @@ class EvalConfig:
     limit: int = 0  # prompts per benchmark; 0 = all
     hf_baseline: bool = True  # also time transformers `generate` on the same prompts (plain decoding is always timed)
     threads: int = 0  # torch CPU threads for eval; 0 = torch's default (1 is often faster on shared cores)
-    cuda_graphs: bool = True  # on a GPU, greedy chains and plain decoding replay CUDA graphs (no effect on CPU)
+    cuda_graphs: bool = True  # on a GPU, greedy chains, trees and plain decoding replay CUDA graphs (no effect on CPU)
 
     def __post_init__(self):
         if not self.benches:
@@ -305,7 +305,7 @@ def full() -> RunConfig:
         # on MT-bench; the held-out figure shows the gap while training
         train=TrainConfig(epochs=6, ttt=7, lr=5e-4, warmup_steps=40, batch_tokens=32768, log_every=20,
                           save_every=1000, attention="flex", compile=True, val_samples=120, val_every=100),
-        # greedy chains and plain decoding replay CUDA graphs; the tree drafts eagerly (one read per level)
+        # greedy chains, the tree and plain decoding replay CUDA graphs (one device read per cycle)
         eval=EvalConfig(benches=["mt-bench", "humaneval"], steps=[3, 5, 7], tree="8,6,40", max_new_tokens=256,
                         limit=12, hf_baseline=False),
     )

@@ -49,8 +49,8 @@ def add_arguments(p) -> None:
     p.add_argument("--threads", type=int, help="torch CPU threads (on a busy machine 1 can be several times faster)")
     p.add_argument("--no-hf-baseline", action="store_true", help="do not time transformers generate")
     p.add_argument("--no-cuda-graphs", action="store_true",
-                   help="on a GPU, decode greedy chains and plain text eagerly instead of replaying CUDA graphs "
-                        "(trees and sampling are always eager)")
+                   help="on a GPU, decode greedy chains, trees and plain text eagerly instead of replaying CUDA "
+                        "graphs (sampling is always eager)")
     p.add_argument("--out", default="eval/result.json",
                    help="RESULT.json; with several benchmarks or settings, -BENCH-SETTING is added to the name")
     p.add_argument("--out-dir", help="write DIR/BENCH-SETTING.json and .png instead (the layout of a run's eval/)")
@@ -112,7 +112,7 @@ def main(args) -> int:
     target = load_target(cfg.target.spec, device=cfg.target.device, dtype=cfg.target.dtype)
     engine, info = build_engine(target, args.draft, cfg.target.aux_layers, cuda_graphs=cfg.eval.cuda_graphs)
     print0(f"target {target.name} ({target.device}, {target.dtype}) | draft {args.draft} | aux layers {info['aux']} | "
-           f"{'CUDA graphs for greedy chains and plain decoding' if engine.static else 'eager decoding'} | "
+           f"{'CUDA graphs for greedy chains, trees and plain decoding' if engine.static else 'eager decoding'} | "
            f"settings {', '.join(n for n, _ in settings)} | temperature {cfg.eval.temperature} | "
            f"max new tokens {cfg.eval.max_new_tokens}")
     many = len(settings) * len(cfg.eval.benches) > 1

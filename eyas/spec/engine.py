@@ -14,8 +14,8 @@ x_N (known, not yet seen by the target):
 Greedy output equals plain greedy decoding of the target; sampling follows its distribution.
 Batch size 1. Times are wall-clock, synchronised on CUDA.
 
-With `static=True`, greedy chains and greedy plain decoding run with fixed shapes instead
-(graphs.py), replayed as CUDA graphs on a GPU; trees and sampling keep the dynamic path.
+With `static=True`, greedy chains, trees and plain decoding run with fixed shapes instead
+(graphs.py), replayed as CUDA graphs on a GPU; sampling keeps the dynamic path.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import torch
 
 from eyas.spec.accept import accept_sample, sample_token, walk_greedy
 from eyas.spec.drafting import crop_cache, draft_chain, draft_tree
-from eyas.spec.graphs import GraphDecoder, chain_capacity, plain_capacity
+from eyas.spec.graphs import GraphDecoder, chain_capacity, plain_capacity, tree_capacity
 from eyas.spec.target import Positions, TargetRunner, tree_mask
 
 
@@ -150,8 +150,8 @@ class SpecEngine:
         prompt = self._ids(input_ids)
         eos = set(int(e) for e in eos_token_ids)
         n = prompt.shape[1]
-        if self.static and steps is not None and temperature == 0:
-            return self._static_chain(prompt, max_new_tokens, steps, eos)
+        if self.static and temperature == 0:
+            return self._static(prompt, max_new_tokens, eos, steps, tree)
         width = steps if steps is not None else max(tree[1], tree[2])  # verify width, draft positions
         res = GenResult(tokens=[])
         self.runner.attach()
@@ -240,20 +240,29 @@ class SpecEngine:
         res.tokens = _cut(res.tokens, max_new_tokens, eos)
         return res
 
-    def _static_chain(self, prompt: torch.Tensor, max_new_tokens: int, steps: int, eos: set[int]) -> GenResult:
+    def _static(self, prompt: torch.Tensor, max_new_tokens: int, eos: set[int], steps: int | None,
+                tree: tuple | None) -> GenResult:
         res = GenResult(tokens=[])
+        n = prompt.shape[1]
         self.runner.attach()
         try:
-            dec = self._static_decoder(chain_capacity(prompt.shape[1], max_new_tokens, steps))
-            dec._chain_buffers(steps)  # captured before the clock starts (once per chain length)
+            if steps is not None:
+                dec = self._static_decoder(chain_capacity(n, max_new_tokens, steps))
+                dec._chain_buffers(steps)  # captured before the clock starts (once per chain length)
+            else:
+                dec = self._static_decoder(tree_capacity(n, max_new_tokens, *tree))
+                dec._tree_buffers(*tree)  # captured before the clock starts (once per tree shape)
             self._sync()
             t0 = time.perf_counter()
-            dec.chain(prompt, max_new_tokens, steps, eos, res, self.sync_timing)
+            if steps is not None:
+                dec.chain(prompt, max_new_tokens, steps, eos, res, self.sync_timing)
+            else:
+                dec.tree(prompt, max_new_tokens, tuple(tree), eos, res, self.sync_timing)
             self._sync()
             res.total_s = time.perf_counter() - t0
         finally:
             self.runner.detach()
-        self.draft_forward_tokens += prompt.shape[1] + sum(res.draft_tokens_per_cycle)
+        self.draft_forward_tokens += n + sum(res.draft_tokens_per_cycle)
         res.tokens = _cut(res.tokens, max_new_tokens, eos)
         return res
 

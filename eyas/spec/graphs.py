@@ -25,9 +25,14 @@ The host keeps an upper bound of the device's n and never queues a pass that cou
 Cycles queued after the end of the text (one at most, or two plain steps) are dropped unread; their
 time counts in `total_s`, as it does for a serving engine that runs ahead.
 
+Trees (EAGLE-2's dynamic tree, the rules of drafting.draft_tree) have the same three graphs with fixed
+shapes: every level feeds its top-k nodes, the candidates are ranked on the device, and the verify
+graph walks the greedy path itself and moves its entries into place (see `_tree_buffers`), so a tree
+cycle reads the device once, like a chain's.
+
 On a CPU, or with graphs off, the same functions run eagerly (same buffers, same order), which is
-how the tests check this path against the dynamic engine without a GPU. Greedy only: sampling and
-trees use the dynamic engine.
+how the tests check this path against the dynamic engine without a GPU. Greedy only: sampling uses
+the dynamic engine.
 """
 
 from __future__ import annotations
@@ -49,6 +54,12 @@ def chain_capacity(n: int, max_new: int, k: int) -> int:
     """Cache slots that chains of k may write: up to two cycles in flight beyond the host's last read, and
     each cycle writes k + 1 slots after the committed ones."""
     return n + max_new + 3 * (k + 1) + 1
+
+
+def tree_capacity(n: int, max_new: int, topk: int, depth: int, total: int) -> int:
+    """Cache slots that trees may write: as for chains, with a cycle writing up to max(total + 1 target
+    slots, (depth - 1) * topk draft slots, depth + 1 rebuilt ones) after the committed ones."""
+    return n + max_new + 3 * max(total + 1, (depth - 1) * topk, depth + 1) + 1
 
 
 class StaticKVCache(KVCache):
@@ -162,17 +173,43 @@ class GraphDecoder:
 
     # ---------------------------------------------------------------- passes (traced into graphs)
 
-    def _target(self, ids: torch.Tensor, positions: torch.Tensor, aux: bool, last_only: bool = False):
-        """The target over ids [1, T] at positions [T] (= slots), attending to every slot <= its position."""
-        self.cache.slots = positions
-        mask = (self.cols[None, :] <= positions[:, None])[None, None]  # [1, 1, T, C]
-        return self.runner.forward(self.cache, ids, positions[None], mask, last_only=last_only, aux=aux)
+    def _target(self, ids: torch.Tensor, positions: torch.Tensor, aux: bool, last_only: bool = False,
+                slots: torch.Tensor | None = None, mask: torch.Tensor | None = None):
+        """The target over ids [1, T] at positions [T], written at `slots` [T] (default: the positions),
+        attending where `mask` [T, C] says (default: every slot <= its position)."""
+        self.cache.slots = positions if slots is None else slots
+        if mask is None:
+            mask = self.cols[None, :] <= positions[:, None]  # [T, C]
+        return self.runner.forward(self.cache, ids, positions[None], mask[None, None], last_only=last_only, aux=aux)
 
-    def _draft(self, hidden: torch.Tensor, ids: torch.Tensor, positions: torch.Tensor):
-        """The draft over (hidden [1, T, H], ids [1, T]) at positions [T] (= slots)."""
-        self.dcache.slots = positions
-        mask = self.cols[None, :] <= positions[:, None]  # [T, C]
+    def _draft(self, hidden: torch.Tensor, ids: torch.Tensor, positions: torch.Tensor,
+               slots: torch.Tensor | None = None, mask: torch.Tensor | None = None):
+        """The draft over (hidden [1, T, H], ids [1, T]) at positions [T]; slots and mask as in `_target`."""
+        self.dcache.slots = positions if slots is None else slots
+        if mask is None:
+            mask = self.cols[None, :] <= positions[:, None]  # [T, C]
         return self.draft(hidden, ids, positions[None], past_key_values=self.dcache, attention_mask=mask)
+
+    def _tree_mask(self, local: torch.Tensor) -> torch.Tensor:
+        """[T, C]: every committed slot (< n), plus the slots n + j for which local [T, W] is True."""
+        width = local.shape[1]
+        rel = self.cols - self.n  # [C]: slot relative to the committed length
+        inside = (rel >= 0) & (rel < width)
+        return (rel < 0)[None, :] | (local[:, rel.clamp(0, width - 1)] & inside[None, :])
+
+    def _rebuild(self, b: dict) -> None:
+        """The draft fed the real aux states b["aux"] [W, A*H] of the kept positions n.. with the target's
+        argmax b["best"] [W] as next tokens; its state is taken at row a, and n grows by a + 1. All W rows
+        are fed (a fixed shape): rows after a see only their past, and their slots are overwritten before
+        any later query can see them."""
+        rows = b["best"].shape[0]
+        fused = self.draft.fuse(b["aux"].to(self.ddtype))[None]  # [1, W, H]
+        out = self._draft(fused, b["best"].view(1, -1), self.n + self.cols[:rows])
+        row = self.a.view(1)
+        self.hidden.copy_(out.hidden_out.index_select(1, row))
+        self.dlogits.copy_(out.logits[0].index_select(0, row)[0])
+        b["ids"][0, :1].copy_(b["best"].index_select(0, row))  # the bonus token is the next pending one
+        self.n.add_(self.a + 1)
 
     def _chain_buffers(self, k: int) -> dict:
         if ("chain", k) in self.steps:
@@ -210,19 +247,120 @@ class GraphDecoder:
             b["read"][k:2 * k + 1].copy_(best)
             b["read"][2 * k + 1:].copy_(self.a.view(1))
 
-        def rebuild():
-            fused = self.draft.fuse(b["aux"].to(self.ddtype))[None]  # [1, k + 1, H]
-            out = self._draft(fused, b["best"].view(1, -1), self.n + b["rows"])
-            row = self.a.view(1)
-            self.hidden.copy_(out.hidden_out.index_select(1, row))
-            self.dlogits.copy_(out.logits[0].index_select(0, row)[0])
-            b["ids"][0, :1].copy_(b["best"].index_select(0, row))  # the bonus token is the next pending one
-            self.n.add_(self.a + 1)
-
         counted = r.forward_tokens
-        b["chain"], b["verify"], b["rebuild"] = (_Step(f, self.device, self.graphs) for f in (chain, verify, rebuild))
+        b["chain"], b["verify"], b["rebuild"] = (_Step(f, self.device, self.graphs)
+                                                 for f in (chain, verify, lambda: self._rebuild(b)))
         r.forward_tokens = counted  # capture ran the passes; only real replays count
         self.steps[("chain", k)] = b
+        return b
+
+    def _tree_buffers(self, topk: int, depth: int, total: int) -> dict:
+        """Buffers and graphs of EAGLE-2 dynamic trees (drafting.draft_tree's rules, fixed shapes).
+
+        `tree`: `depth` levels of drafting; each level after the first feeds its `topk` best nodes (by
+        cumulative draft log-prob) at draft slots n + (level - 1) * topk + row, each seeing the committed
+        slots, its expanded ancestors and itself. The `total` best of all candidates (a parent always
+        scores at least as well as its child, and ties go to the earlier candidate, so the set is closed
+        under ancestors) are ordered parents first, siblings by score. `verify`: the target over the
+        pending token and the nodes at slots n.. (positions n + depth) with the ancestor mask; the greedy
+        path is walked on the device (a node is accepted when its token is the target's argmax at its
+        parent and its parent is accepted) and its depth + 1 entries are moved to slots n..n + depth.
+        `rebuild` is the chain's, over depth + 1 rows.
+        """
+        key = ("tree", topk, depth, total)
+        if key in self.steps:
+            return self.steps[key]
+        dev, vocab = self.device, self.dlogits.shape[0]
+        if topk > vocab:
+            raise ValueError(f"tree top-k {topk} exceeds the draft vocabulary ({vocab})")
+        pool = topk + (depth - 1) * topk * topk  # candidates drafted per cycle
+        m = min(total, pool)
+        width = (depth - 1) * topk  # draft slots the expanded levels take
+        b = {"ids": torch.zeros(1, m + 1, dtype=torch.long, device=dev),  # pending + nodes: the verify input
+             "depths": torch.zeros(m + 1, dtype=torch.long, device=dev),  # 0 for the pending token
+             "parents": torch.zeros(m + 1, dtype=torch.long, device=dev),  # row of each row's parent (root: 0)
+             "anc": torch.zeros(m + 1, m + 1, dtype=torch.bool, device=dev),  # row sees row (ancestors, itself)
+             "rows": torch.arange(m + 1, device=dev),
+             "best": torch.zeros(depth + 1, dtype=torch.long, device=dev),  # the target's argmax along the path
+             "aux": torch.zeros(depth + 1, len(self.runner.aux_layers) * self.hidden_size, dtype=self.dtype,
+                                device=dev),
+             "read": torch.zeros(depth + 3, dtype=torch.long, device=dev),  # best along the path, a, tree depth
+             "reads": _Reads(depth + 3, dev), "size": m, "pool": pool}
+        self.runner.attach()  # the verify pass needs the aux hooks while it is traced
+        self.n.zero_()  # capture runs each pass three times from n = 0: slots stay inside the cache
+        self.a.zero_()
+        eye = torch.eye(topk, dtype=torch.bool, device=dev)
+
+        def tree():
+            top = torch.log_softmax(self.dlogits.float(), dim=-1).topk(topk)
+            scores, ids, levels, parents = [top.values], [top.indices], [torch.ones_like(top.indices)], \
+                [torch.full_like(top.indices, -1)]
+            front, front_ids, front_scores = torch.arange(topk, device=dev), top.indices, top.values
+            front_hidden = self.hidden.expand(1, topk, self.hidden.shape[-1])
+            front_anc = torch.zeros(topk, width, dtype=torch.bool, device=dev)  # expanded ancestors' draft slots
+            start = topk
+            for d in range(1, depth):
+                seen = front_anc.clone()
+                seen[:, (d - 1) * topk:d * topk] |= eye  # each frontier node sees its own new slot
+                slots = self.n + (d - 1) * topk + self.cols[:topk]
+                out = self._draft(front_hidden, self.draft.to_target_ids(front_ids).view(1, topk),
+                                  (self.n + (d - 1)).expand(topk), slots=slots, mask=self._tree_mask(seen))
+                child = torch.log_softmax(out.logits[0].float(), dim=-1).topk(topk, dim=-1)  # [topk, topk]
+                cum = (front_scores[:, None] + child.values).flatten()
+                kids = child.indices.flatten()
+                scores.append(cum)
+                ids.append(kids)
+                levels.append(torch.full_like(kids, d + 1))
+                parents.append(front[:, None].expand(topk, topk).flatten())
+                if d < depth - 1:
+                    best = cum.topk(topk).indices
+                    front, front_ids, front_scores = start + best, kids[best], cum[best]
+                    front_hidden = out.hidden_out[:, best // topk]
+                    front_anc = seen[best // topk]
+                start += topk * topk
+            scores, ids, levels, parents = (torch.cat(x) for x in (scores, ids, levels, parents))
+            chosen = torch.sort(scores, descending=True, stable=True).indices[:m]  # ties: earlier = shallower first
+            order = chosen[torch.sort(levels[chosen], stable=True).indices]  # parents first, siblings by score
+            row_of = torch.zeros(pool, dtype=torch.long, device=dev)
+            row_of[order] = self.cols[1:m + 1]  # pool index -> verify row (1..m)
+            par = parents[order]
+            b["parents"][1:].copy_(torch.where(par >= 0, row_of[par.clamp(min=0)], 0))
+            b["ids"][0, 1:].copy_(self.draft.to_target_ids(ids[order]))
+            b["depths"][1:].copy_(levels[order])
+            anc = torch.eye(m + 1, dtype=torch.bool, device=dev)
+            up = b["rows"]
+            for _ in range(depth):
+                up = b["parents"][up]
+                anc.scatter_(1, up[:, None], True)
+            b["anc"].copy_(anc)
+
+        def verify():
+            logits, aux = self._target(b["ids"], self.n + b["depths"], aux=True, slots=self.n + b["rows"],
+                                       mask=self._tree_mask(b["anc"]))
+            best = logits.argmax(-1)  # [m + 1]
+            match = (b["ids"][0] == best[b["parents"]]) | (b["rows"] == 0)
+            accepted = match
+            for _ in range(depth):
+                accepted = match & accepted[b["parents"]]
+            node = torch.where(accepted, b["depths"], -1).argmax()  # the deepest accepted node (one per depth)
+            self.a.copy_(b["depths"][node])
+            path = node.expand(depth + 2).clone()  # rows along the path by depth; later entries repeat the node
+            path.scatter_(0, torch.where(b["anc"][node], b["depths"], depth + 1), b["rows"])
+            path = path[:depth + 1]
+            slots, dest = self.n + path, self.n + self.cols[:depth + 1]
+            for store in (self.cache.keys, self.cache.values):  # the path's entries move to slots n..n + depth
+                store.index_copy_(3, dest, store.index_select(3, slots))
+            b["best"].copy_(best[path])
+            b["aux"].copy_(aux[path])
+            b["read"][:depth + 1].copy_(b["best"])
+            b["read"][depth + 1:depth + 2].copy_(self.a.view(1))
+            b["read"][depth + 2:].copy_(b["depths"].max().view(1))
+
+        counted = self.runner.forward_tokens
+        b["tree"], b["verify"], b["rebuild"] = (_Step(f, self.device, self.graphs)
+                                                for f in (tree, verify, lambda: self._rebuild(b)))
+        self.runner.forward_tokens = counted
+        self.steps[key] = b
         return b
 
     def _plain_buffers(self) -> dict:
@@ -289,12 +427,39 @@ class GraphDecoder:
     def chain(self, prompt: torch.Tensor, max_new: int, k: int, eos: set[int], res, sync_timing: bool) -> None:
         """Greedy EAGLE-3 chain decoding into `res`: one cycle queued ahead of the host's read, or none
         (and a synchronisation between the phases) when `sync_timing` asks for exact draft/verify times."""
-        b = self._chain_buffers(k)
-        t0 = time.perf_counter()
         n = prompt.shape[1]
-        ahead = 0 if (sync_timing or not self.graphs) else 1
         if chain_capacity(n, max_new, k) > self.capacity:
             raise RuntimeError(f"{n} + {max_new} tokens and chains of {k} do not fit a static cache of {self.capacity}")
+
+        def read(got: list[int]) -> tuple[list[int], int, int]:
+            drafted, best, a = got[:k], got[k:2 * k + 1], got[2 * k + 1]
+            return drafted[:a] + [best[a]], a, k
+
+        self._cycles(prompt, max_new, self._chain_buffers(k), "chain", read, k + 1, 2 * k, eos, res, sync_timing)
+
+    def tree(self, prompt: torch.Tensor, max_new: int, tree: tuple[int, int, int], eos: set[int], res,
+             sync_timing: bool) -> None:
+        """Greedy EAGLE-3 decoding with dynamic trees (topk, depth, total) into `res`, as `chain` does."""
+        topk, depth, total = tree
+        n = prompt.shape[1]
+        if tree_capacity(n, max_new, topk, depth, total) > self.capacity:
+            raise RuntimeError(f"{n} + {max_new} tokens and trees of {tree} do not fit a static cache of "
+                               f"{self.capacity}")
+        b = self._tree_buffers(topk, depth, total)
+
+        def read(got: list[int]) -> tuple[list[int], int, int]:
+            a = got[depth + 1]
+            return got[:a + 1], a, got[depth + 2]  # the target's argmax along the path: accepted + bonus
+
+        self._cycles(prompt, max_new, b, "tree", read, b["size"] + 1, (depth - 1) * topk + depth + 1, eos, res,
+                     sync_timing)
+
+    def _cycles(self, prompt, max_new: int, b: dict, draft_step: str, read, target_width: int, draft_width: int,
+                eos: set[int], res, sync_timing: bool) -> None:
+        """The host side of speculative cycles over the passes b[draft_step], b["verify"], b["rebuild"]:
+        `read(row)` turns a cycle's read into (new tokens, accepted drafts, depth tried)."""
+        t0 = time.perf_counter()
+        ahead = 0 if (sync_timing or not self.graphs) else 1
         reads = b["reads"]
         pending = self._prefill(prompt, True)
         b["ids"][0, :1].copy_(pending)
@@ -305,7 +470,7 @@ class GraphDecoder:
         while True:
             while launched <= done + ahead and len(res.tokens) + launched - done < max_new:
                 t1 = time.perf_counter()
-                b["chain"]()
+                b[draft_step]()
                 if sync:
                     torch.cuda.synchronize(self.device)
                 t2 = time.perf_counter()
@@ -323,16 +488,15 @@ class GraphDecoder:
                 launched += 1
             if done == launched:  # nothing queued: max_new reached
                 break
-            got = reads.get(done)
+            new, a, tried = read(reads.get(done))
             done += 1
-            drafted, best, a = got[:k], got[k:2 * k + 1], got[2 * k + 1]
             before = len(res.tokens)
-            res.tokens.extend(drafted[:a] + [best[a]])
+            res.tokens.extend(new)
             res.num_cycles += 1
             res.accepted_per_cycle.append(a)
-            res.accepted_depths.append(k)
-            res.target_tokens_per_cycle.append(k + 1)
-            res.draft_tokens_per_cycle.append(2 * k)
+            res.accepted_depths.append(tried)
+            res.target_tokens_per_cycle.append(target_width)
+            res.draft_tokens_per_cycle.append(draft_width)
             if len(res.tokens) >= max_new or any(t in eos for t in res.tokens[before:]):
                 break
-        self.runner.forward_tokens += launched * (k + 1)  # the prefill counted itself
+        self.runner.forward_tokens += launched * target_width  # the prefill counted itself

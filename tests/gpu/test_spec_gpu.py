@@ -59,8 +59,8 @@ def test_no_sync_timing_is_lossless_and_plain_matches_generate_cuda():
 
 
 def test_cuda_graphs_lossless_and_same_as_eager_static():
-    """The static path replayed as CUDA graphs: plain and chains give the target's greedy tokens (fp32),
-    the same cycles as the same passes run eagerly, and a longer prompt grows the decoder once."""
+    """The static path replayed as CUDA graphs: plain, chains and trees give the target's greedy tokens
+    (fp32), the same cycles as the same passes run eagerly, and a longer prompt grows the decoder once."""
     from eyas.spec.graphs import GraphDecoder
 
     target = load_target("smollm2", device="cuda", dtype="fp32")
@@ -72,10 +72,10 @@ def test_cuda_graphs_lossless_and_same_as_eager_static():
         ids = chat_ids(target, q)
         ref = SpecEngine(target.model).plain_generate(ids, 48).tokens
         assert graphed.plain_generate(ids, 48).tokens == ref
-        for k in (3, 5):
+        for setting in (dict(steps=3), dict(steps=5), dict(tree=(4, 5, 16))):
             eager._decoder = GraphDecoder(eager.runner, draft, 1024, graphs=False)
-            want = eager.generate(ids, 48, steps=k)
-            got = graphed.generate(ids, 48, steps=k)
+            want = eager.generate(ids, 48, **setting)
+            got = graphed.generate(ids, 48, **setting)
             assert got.tokens == ref == want.tokens
             assert got.accepted_per_cycle == want.accepted_per_cycle
     assert graphed._decoder.graphs and graphed._decoder.capacity == 1024
@@ -86,8 +86,8 @@ def test_cuda_graphs_lossless_and_same_as_eager_static():
 
 
 def test_cuda_graphs_on_the_tiny_target():
-    """Capture and replay on the random tiny Llama (no model file needed): in fp32, plain and chain decoding
-    with graphs give the dynamic engine's greedy tokens; in bf16 (near-ties on a random model may flip
+    """Capture and replay on the random tiny Llama (no model file needed): in fp32, plain, chain and tree
+    decoding with graphs give the dynamic engine's greedy tokens; in bf16 (near-ties on a random model may flip
     between differently shaped kernels) they give exactly what the same passes give run eagerly."""
     from eyas.spec.graphs import GraphDecoder
 
@@ -101,10 +101,10 @@ def test_cuda_graphs_on_the_tiny_target():
         ref = SpecEngine(target.model).plain_generate(prompt, 64).tokens if dtype == "fp32" else \
             eager.plain_generate(prompt, 64).tokens
         assert graphed.plain_generate(prompt, 64).tokens == ref
-        for k in (1, 4):
-            want = eager.generate(prompt, 64, steps=k)
-            got = graphed.generate(prompt, 64, steps=k)
-            assert got.tokens == want.tokens, (dtype, k)
+        for setting in (dict(steps=1), dict(steps=4), dict(tree=(4, 4, 12)), dict(tree=(3, 1, 3))):
+            want = eager.generate(prompt, 64, **setting)
+            got = graphed.generate(prompt, 64, **setting)
+            assert got.tokens == want.tokens, (dtype, setting)
             assert dtype == "bf16" or got.tokens == ref
             assert got.accepted_per_cycle == want.accepted_per_cycle
         assert graphed._decoder.graphs and not eager._decoder.graphs

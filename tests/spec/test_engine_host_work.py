@@ -43,14 +43,16 @@ def draft_for(target):
     return untrained_draft(target, 200, target_ids=ids)  # a real d2t offset table
 
 
-@pytest.mark.parametrize("setting, reads, builds", [
-    (None, 1, 0),  # plain decoding: the token itself, nothing built on the host
-    (dict(steps=5), 1, 0),  # a greedy chain: draft tokens and target argmax in one read, nothing built
-    (dict(tree=(4, 4, 12)), 4 + 1, 3 + 1),  # a tree: one read per level + the verdict; mask rows + inputs
+@pytest.mark.parametrize("setting, static, reads, builds", [
+    (None, False, 1, 0),  # plain decoding: the token itself, nothing built on the host
+    (dict(steps=5), False, 1, 0),  # a greedy chain: draft tokens and target argmax in one read, nothing built
+    (dict(tree=(4, 4, 12)), False, 4 + 1, 3 + 1),  # a tree: one read per level + the verdict; mask rows + inputs
+    (dict(steps=5), True, 1, 0),  # the fixed-shape (CUDA graph) chain
+    (dict(tree=(4, 4, 12)), True, 1, 0),  # the fixed-shape tree: ranked and walked on the device, one read
 ])
-def test_device_reads_and_host_builds_per_cycle(tiny_target, setting, reads, builds):
+def test_device_reads_and_host_builds_per_cycle(tiny_target, setting, static, reads, builds):
     draft, aux = draft_for(tiny_target)
-    engine = SpecEngine(tiny_target.model, draft if setting else None, aux if setting else None)
+    engine = SpecEngine(tiny_target.model, draft if setting else None, aux if setting else None, static=static)
     run = (lambda: engine.plain_generate(PROMPT, 40)) if setting is None else (lambda: engine.generate(PROMPT, 40, **setting))
     ref = SpecEngine(tiny_target.model).plain_generate(PROMPT, 40).tokens
     with Counter([tiny_target.model, draft]) as c:

@@ -119,7 +119,8 @@ def test_other_families_are_lossless(kind):
 def test_static_path_grows_its_capacity_and_stays_lossless(tiny_target):
     """The fixed-shape path (eager on a CPU) sizes its caches in steps of 1,024 tokens: a prompt longer
     than the current capacity makes a larger decoder once, and the tokens stay the target's greedy ones
-    for chains, plain decoding and a short prompt after the long one (buffers reused across generations)."""
+    for chains, trees, plain decoding and a short prompt after the long one (buffers reused across
+    generations)."""
     draft, aux = untrained_draft(tiny_target)
     engine = SpecEngine(tiny_target.model, draft, aux, static=True)
     short = PROMPT
@@ -128,6 +129,11 @@ def test_static_path_grows_its_capacity_and_stays_lossless(tiny_target):
         ref = greedy_reference(tiny_target, prompt, 20)
         assert engine.generate(prompt, 20, steps=3).tokens == ref
         assert engine.plain_generate(prompt, 20).tokens == ref
+        # trees: the usual shape, one level only, and more nodes asked for than a tree of 2x3 can draft
+        for tree in ((4, 4, 12), (3, 1, 8), (2, 3, 50)):
+            res = engine.generate(prompt, 20, tree=tree)
+            assert res.tokens == ref
+            assert res.target_tokens_per_cycle[0] == min(tree[2], tree[0] + (tree[1] - 1) * tree[0] ** 2) + 1
         assert engine._decoder.capacity == capacity
     with pytest.raises(ValueError, match="Eagle3Draft"):
         SpecEngine(tiny_target.model, ScriptedDraft(PROMPT, tiny_target.vocab_size), aux, static=True).generate(

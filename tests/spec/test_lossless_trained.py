@@ -141,20 +141,27 @@ def test_trained_draft_is_lossless_and_accepts_more(smollm2, trained, name):
     assert same_prompts > untrained_tau + 0.5, (same_prompts, untrained_tau)
 
 
-@pytest.mark.parametrize("steps", [1, 5])
-def test_static_path_matches_dynamic_engine(smollm2, trained, steps):
+@pytest.mark.parametrize("setting", [dict(steps=1), dict(steps=5), dict(tree=(4, 4, 12))],
+                         ids=["chain1", "chain5", "tree4x4x12"])
+def test_static_path_matches_dynamic_engine(smollm2, trained, setting):
     """The fixed-shape path (what runs as CUDA graphs on a GPU; eagerly here) against the dynamic engine,
     with the trained draft: the same tokens (the target's greedy answer), the same acceptance cycle by
-    cycle (so the draft's cache and state after each rebuild are right), and plain decoding the same."""
+    cycle (so the draft's cache and state after each rebuild are right; for a tree, also the same tree
+    depth, i.e. the same nodes ranked the same way), and plain decoding the same."""
     dynamic = SpecEngine(smollm2.model, trained["draft"], trained["aux"])
     static = SpecEngine(smollm2.model, trained["draft"], trained["aux"], static=True)
-    accepted = 0
+    accepted = deep = 0
     for prompt, answer in zip(trained["prompts"], trained["answers"]):
-        want = dynamic.generate(prompt, NEW, eos_token_ids=trained["eos"], steps=steps)
-        got = static.generate(prompt, NEW, eos_token_ids=trained["eos"], steps=steps)
+        want = dynamic.generate(prompt, NEW, eos_token_ids=trained["eos"], **setting)
+        got = static.generate(prompt, NEW, eos_token_ids=trained["eos"], **setting)
         assert got.tokens == answer == want.tokens
         assert got.accepted_per_cycle == want.accepted_per_cycle, prompt
+        assert got.accepted_depths == want.accepted_depths, prompt
+        assert got.target_tokens_per_cycle == want.target_tokens_per_cycle
         accepted += sum(got.accepted_per_cycle)
-        assert static.plain_generate(prompt, NEW, eos_token_ids=trained["eos"]).tokens == answer
+        deep += sum(a >= 2 for a in got.accepted_per_cycle)
+        if "steps" in setting:
+            assert static.plain_generate(prompt, NEW, eos_token_ids=trained["eos"]).tokens == answer
     assert accepted > 0  # the comparison saw real acceptances, not only rejections
+    assert "steps" in setting or deep > 0  # and for the tree, paths beyond its first level
     assert static._decoder.capacity == 1024 and not static._decoder.graphs  # one decoder; no graphs on a CPU
