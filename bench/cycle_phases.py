@@ -1,8 +1,8 @@
-"""Where a speculative cycle's time goes on the GPU: each CUDA graph of a chain cycle timed alone.
+"""Where a speculative cycle's time goes on the GPU: each CUDA graph of a chain or tree cycle timed alone.
 
-    python bench/cycle_phases.py --draft RUN/train [--steps 3,5,7] [--prompts 4]
+    python bench/cycle_phases.py --draft RUN/train [--steps 3,5,7] [--trees "4,4,12;8,6,40"] [--prompts 4]
 
-The engine's graphed path queues a whole cycle (graphs `chain`, `verify`, `rebuild`; eyas/spec/graphs.py)
+The engine's graphed path queues a whole cycle (graphs `chain` or `tree`, `verify`, `rebuild`; eyas/spec/graphs.py)
 ahead of the host, so an end-to-end run cannot say which phase costs what. Here, after decoding each
 prompt normally (which captures the graphs and fills both caches), every graph is replayed alone
 --repeats times between CUDA events, with the committed length reset before each replay, so the
@@ -52,7 +52,8 @@ def timed(step, reset, repeats: int, cuda: bool) -> float:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--draft", required=True, help="a training run dir, step dir or export dir")
-    p.add_argument("--steps", default="3,5,7", help="chain lengths")
+    p.add_argument("--steps", default="3,5,7", help="chain lengths ('' for none)")
+    p.add_argument("--trees", default="", help="tree shapes TOPK,DEPTH,TOTAL separated by ';', e.g. '4,4,12;8,6,40'")
     p.add_argument("--prompts", type=int, default=4, help="MT-bench first turns to decode")
     p.add_argument("--new-tokens", type=int, default=256)
     p.add_argument("--repeats", type=int, default=50)
@@ -86,31 +87,39 @@ def main() -> None:
         plain_ms.append(timed(b["step"], reset, args.repeats, cuda))
     plain = statistics.median(plain_ms)
     rows.append(("plain step", plain, 1.0, statistics.median(plain_cycle), None))
-    for k in (int(s) for s in args.steps.split(",")):
-        per = {"chain": [], "verify": [], "rebuild": [], "cycle": [], "tau": []}
+    settings = [(f"k={k}", dict(steps=int(k))) for k in args.steps.split(",") if k.strip()]
+    settings += [(f"tree {t.strip()}", dict(tree=tuple(int(x) for x in t.split(","))))
+                 for t in args.trees.split(";") if t.strip()]
+    for name, setting in settings:
+        draft_phase = "chain" if "steps" in setting else "tree"
+        per = {draft_phase: [], "verify": [], "rebuild": [], "cycle": [], "tau": []}
         for ids in prompts:
-            res = engine.generate(ids, args.new_tokens, steps=k, eos_token_ids=eos)
+            res = engine.generate(ids, args.new_tokens, eos_token_ids=eos, **setting)
             per["cycle"].append(1000 * res.total_s / max(1, res.num_cycles))
             per["tau"].append(res.tau)
             dec = engine._decoder
-            b = dec._chain_buffers(k)
+            if "steps" in setting:
+                b, room = dec._chain_buffers(setting["steps"]), setting["steps"] + 1
+            else:
+                topk, depth, total = setting["tree"]
+                b, room = dec._tree_buffers(*setting["tree"]), max(total + 1, (depth - 1) * topk, depth + 1)
             n0 = int(dec.n)
 
-            def reset(n0=n0):
-                dec.n.fill_(n0 - k - 1)  # room for the rebuild's k + 1 writes inside what decoding used
+            def reset(n0=n0, room=room):
+                dec.n.fill_(max(1, n0 - room))  # the phases write inside the slots that decoding used
                 dec.a.zero_()
 
             engine.runner.attach()  # the verify pass reads the aux layers through hooks (eager) or its graph
             try:
-                for phase in ("chain", "verify", "rebuild"):
+                for phase in (draft_phase, "verify", "rebuild"):
                     per[phase].append(timed(b[phase], reset, args.repeats, cuda))
             finally:
                 engine.runner.detach()
         med = {key: statistics.median(v) for key, v in per.items()}
-        for phase in ("chain", "verify", "rebuild"):
-            rows.append((f"k={k} {phase}", med[phase], med[phase] / plain, None, None))
-        total = med["chain"] + med["verify"] + med["rebuild"]
-        rows.append((f"k={k} phases summed", total, total / plain, med["cycle"], med["tau"]))
+        for phase in (draft_phase, "verify", "rebuild"):
+            rows.append((f"{name} {phase}", med[phase], med[phase] / plain, None, None))
+        total = med[draft_phase] + med["verify"] + med["rebuild"]
+        rows.append((f"{name} phases summed", total, total / plain, med["cycle"], med["tau"]))
     where = f"bf16, CUDA graphs, {torch.cuda.get_device_name()}" if cuda else "fp32, eager on the CPU"
     print(f"\nSmolLM2 {where}; {len(prompts)} MT-bench first turns, "
           f"{args.new_tokens} new tokens; medians of {args.repeats} replays per phase")
