@@ -26,6 +26,7 @@ world_size by repeating some of its batches. Epochs 1.. are planned over the com
 
 from __future__ import annotations
 
+import contextlib
 import math
 import queue
 import random
@@ -248,5 +249,6 @@ def _pin(device) -> bool:
 
 
 def _on_device(host: Iterator[tuple[int, int, dict]], device, feature_fn) -> Iterator[tuple[int, int, dict]]:
-    for epoch, index, batch in prefetched(host):
-        yield epoch, index, to_device(batch, device, feature_fn)
+    with contextlib.closing(prefetched(host)) as items:  # closing this stream stops and joins the reader
+        for epoch, index, batch in items:
+            yield epoch, index, to_device(batch, device, feature_fn)
