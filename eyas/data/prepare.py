@@ -20,7 +20,7 @@ from pathlib import Path
 from eyas.common import EyasError, atomic_write_json, print0, sha256_json
 from eyas.config import RunConfig
 from eyas.data.readers import REASONS, Conversation, Skip, read_sources
-from eyas.data.regenerate import answers, pending, read_results
+from eyas.data.regenerate import answers, pending, read_results, repetition
 from eyas.data.template import ChatTemplate, TemplateMismatch, stop_token_ids
 
 CHUNK = 512  # conversations per batched tokenizer call
@@ -170,8 +170,10 @@ def _regenerate(cfg: RunConfig, target, template: ChatTemplate, convs: list[Conv
     fresh = [results[p["id"]] for p in prompts if p["id"] in todo_ids and answers(results.get(p["id"]), p["messages"])]
     new_tokens = sum(int(r.get("num_tokens") or 0) for r in fresh)
     finishes = Counter(str(results[c.sample_id].get("finish")) for c in kept)
+    loops = repetition(results[c.sample_id] for c in kept)  # reported, not cut: the target loops in decoding too
     return kept, {"mode": dc.regenerate, "results": path.name, "settings": settings, "num_responses": len(kept),
-                  "num_tokens": num_tokens, "finish": dict(finishes), "seconds_this_run": round(seconds, 2),
+                  "num_tokens": num_tokens, "finish": dict(finishes), "repetition_loops": loops,
+                  "seconds_this_run": round(seconds, 2),
                   "num_responses_this_run": len(fresh), "num_tokens_this_run": new_tokens}
 
 

@@ -44,6 +44,43 @@ def pending(prompts: list[dict], done: dict[str, dict]) -> list[dict]:
     return [p for p in prompts if not answers(done.get(p["id"]), p["messages"])]
 
 
+def repeated_tail(text: str, min_period: int = 8, max_period: int = 400) -> int:
+    """Characters at the end of `text` that only repeat the ones a period before them (0 if none).
+
+    A greedy small target often ends an answer by repeating a sentence until the token limit: the end is
+    then periodic, text[i] == text[i - p] for the last r characters, with r >= p (at least two copies,
+    the last one possibly cut off). The longest such r over periods of min_period..max_period characters
+    is returned. Each period costs one comparison, plus a binary search when it matches.
+    """
+    n, best = len(text), 0
+    for p in range(min_period, min(max_period, n // 2) + 1):
+        if text[n - p:] != text[n - 2 * p:n - p]:
+            continue  # not even two periods at the end
+        lo, hi = p, n - p  # the longest r with text[n - r:] == text[n - r - p:n - p]
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if text[n - mid:] == text[n - mid - p:n - p]:
+                lo = mid
+            else:
+                hi = mid - 1
+        best = max(best, lo)
+    return best
+
+
+def repetition(records: Iterable[dict]) -> dict:
+    """How many responses end in a repetition loop and about what share of their tokens the repeats are
+    (each response's repeated characters / its characters, times its tokens)."""
+    looping, repeated, tokens = 0, 0.0, 0
+    for rec in records:
+        text, num = str(rec.get("response", "")), int(rec.get("num_tokens") or 0)
+        tokens += num
+        tail = repeated_tail(text)
+        if tail:
+            looping += 1
+            repeated += num * tail / len(text)
+    return {"responses": looping, "token_share": round(repeated / tokens, 4) if tokens else 0.0}
+
+
 def read_results(path: str | Path) -> dict[str, dict]:
     """id -> result of every complete line (a torn last line or a bad line is ignored)."""
     out: dict[str, dict] = {}

@@ -144,6 +144,11 @@ def test_builtin_corpus_with_local_regeneration(tmp_path):
     assert s["regeneration"]["num_responses"] == 12 and s["regeneration"]["mode"] == "local"
     results = [json.loads(line) for line in (out / s["regeneration"]["results"]).read_text().splitlines()]
     assert sorted(r["id"] for r in results) == sorted(load_prepared(out)["sample_id"])
+    from eyas.data.regenerate import repeated_tail
+
+    loops = s["regeneration"]["repetition_loops"]  # reported for the kept responses
+    assert loops["responses"] == sum(repeated_tail(r["response"]) > 0 for r in results)
+    assert 0 <= loops["token_share"] <= 1
 
 
 def test_summary_json_reports_the_stage(tmp_path):

@@ -326,3 +326,31 @@ def test_results_written_before_prompt_hashes_still_resume(tmp_path, tiny_target
                                max_new_tokens=4, batch_size=2)
     assert results["p00"]["response"] == "old" and [json.loads(x)["id"] for x in path.read_text().splitlines()] == [
         "p00", "p01"]
+
+
+def _repeated_tail_by_definition(text: str, lo: int = 8, hi: int = 400) -> int:
+    best = 0
+    for p in range(lo, min(hi, len(text) // 2) + 1):
+        r = 0
+        while r < len(text) - p and text[len(text) - 1 - r] == text[len(text) - 1 - r - p]:
+            r += 1
+        if r >= p:
+            best = max(best, r)
+    return best
+
+
+def test_repeated_tail_finds_the_loop_a_greedy_answer_ends_in():
+    from eyas.data.regenerate import repeated_tail, repetition
+
+    loop = "Intro: cats are great pets.\n" + "I like cats because they are soft. " * 6 + "I like ca"
+    cases = [loop, "no loop here, just one sentence that ends.", "ab" * 40, "x" * 7,
+             "The answer is 42. The answer is 42.", "start " + "0123456789" * 3]
+    random_text = "".join(chr(97 + (i * 7919 % 26)) for i in range(300))  # periodic with period 26
+    for text in cases + [random_text]:
+        assert repeated_tail(text) == _repeated_tail_by_definition(text), text
+    period = len("I like cats because they are soft. ")
+    assert repeated_tail(loop) == 5 * period + len("I like ca")  # all but the first copy, cut-off copy included
+    assert repeated_tail("no loop here, just one sentence that ends.") == 0
+    stats = repetition([{"response": loop, "num_tokens": 100}, {"response": "plain answer.", "num_tokens": 100}])
+    assert stats["responses"] == 1
+    assert abs(stats["token_share"] - 100 * repeated_tail(loop) / len(loop) / 200) < 1e-4
