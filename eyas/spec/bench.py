@@ -233,6 +233,9 @@ def bench_one(engine, target, bench: str, settings, temperature: float, max_new_
                                                             for k, v in setting.items()},
                         "temperature": temperature, "max_new_tokens": max_new_tokens, "limit": limit,
                         "target": target.identity, "device": str(engine.device), "dtype": str(target.dtype),
+                        # how this setting was decoded (part of the journal's key: requests decoded another way
+                        # are not mixed in); greedy trees were eager before they were graphed
+                        "decoding": "cuda-graphs" if engine.static and temperature == 0 else "eager",
                         "host": platform.node(), **(extra_settings or {})}
         json_path, png_path = out_paths[(bench, name)]
         journal = RequestJournal(json_path.with_name(json_path.stem + ".requests.jsonl"),

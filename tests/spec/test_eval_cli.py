@@ -140,7 +140,9 @@ def test_tree_alone_as_the_pipeline_runs_it(tmp_path, tiny_target):
     out = tmp_path / "eval" / "p-tree-2x2x3.json"
     assert main(["eval", "--config", "tiny", "--draft", str(step), "--bench", str(bench), "--tree", "2,2,3",
                  "--max-new-tokens", "4", "--no-hf-baseline", "--out", str(out)]) == 0
-    assert json.loads(out.read_text())["settings"]["setting"] == "tree-2x2x3"
+    settings = json.loads(out.read_text())["settings"]
+    assert settings["setting"] == "tree-2x2x3"
+    assert settings["decoding"] == "eager"  # CUDA graphs only on a GPU
 
 
 @pytest.mark.parametrize("fmt", ["sglang", "vllm", "speculators", "research"])
