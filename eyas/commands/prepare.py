@@ -150,7 +150,7 @@ def main(args) -> int:
         loops = regen.get("repetition_loops") or {}
         regen_line = (f" Regenerated {regen['num_responses']} responses ({regen['num_tokens']} tokens, {regen['mode']}; "
                       f"{regen['finish'].get('length', 0)} stopped at the token limit, {loops.get('responses', 0)} end "
-                      f"in a repetition loop, about {100 * loops.get('token_share', 0):.0f}% of the tokens).")
+                      f"in a repetition loop, about {100 * loops.get('token_share', 0):.1f}% of the tokens).")
     print0(f"Prepared {summary['num_kept']} of {summary['num_read']} conversations into {out}/dataset "
            f"({summary['num_tokens']} tokens, {summary['num_loss_tokens']} under the loss mask); skipped: {dropped}."
            f"{regen_line} Draft vocabulary {summary['vocab']['draft_vocab_size']} of {summary['vocab']['vocab_size']} "
