@@ -99,13 +99,15 @@ def collate(fetch, indices: list[int], batch_tokens: int, feature_fn=None, devic
 _DONE = object()
 
 
-def prefetched(items: Iterator, depth: int = 2) -> Iterator:
+def prefetched(items: Iterator, depth: int = 2, join_s: float = 10.0) -> Iterator:
     """The items of `items`, produced by a background thread up to `depth` ahead of the consumer.
 
     Reading a batch from the store and padding it (a few hundred ms for 65k tokens of features) then
     overlaps the previous step's compute. An exception in the producer is raised here, at the item where
     it happened. Closing this generator stops the producer and waits for it: a thread left inside torch
     when the interpreter exits can abort the process ("terminate called without an active exception").
+    The wait is bounded by `join_s`: a producer that is not done by then is not inside one batch's torch
+    work but waiting for data (a store still being captured), and is left to end with the process.
     """
     q: queue.Queue = queue.Queue(maxsize=depth)
     stop = threading.Event()
@@ -140,7 +142,7 @@ def prefetched(items: Iterator, depth: int = 2) -> Iterator:
             yield item
     finally:
         stop.set()
-        thread.join()  # at most one item's production away
+        thread.join(join_s)  # one item's production away, unless it waits for a shard
 
 
 @dataclass

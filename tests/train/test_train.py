@@ -207,6 +207,32 @@ def test_closing_the_prefetched_stream_lets_the_process_exit_cleanly():
     assert proc.returncode == 0 and proc.stdout == "closed\n", (proc.returncode, proc.stderr[-1000:])
 
 
+def test_closing_the_prefetched_stream_does_not_wait_for_a_producer_waiting_for_data():
+    """A producer blocked outside torch (waiting for a shard that capture has not written) must not hold up
+    the consumer's exit path: closing waits at most join_s."""
+    import threading
+    import time
+
+    from eyas.train.data import prefetched
+
+    shard = threading.Event()
+
+    def waits():
+        yield 0
+        shard.wait(30)  # like GrowingStore.wait_shard polling for a shard that does not come
+        yield 1
+
+    stream = prefetched(waits(), join_s=0.5)
+    assert next(stream) == 0
+    t0 = time.monotonic()
+    stream.close()
+    assert time.monotonic() - t0 < 5
+    shard.set()  # the producer ends now instead of outliving the test
+    deadline = time.monotonic() + 5
+    while any(t.name == "eyas-batch-prefetch" for t in threading.enumerate()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
 def test_held_out_samples_are_never_trained_on_and_are_scored_with_the_final_weights(tmp_path):
     from eyas.common import EyasError
     from eyas.train.loop import build_draft
