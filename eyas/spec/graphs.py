@@ -26,7 +26,8 @@ Cycles queued after the end of the text (one at most, or two plain steps) are dr
 time counts in `total_s`, as it does for a serving engine that runs ahead.
 
 Trees (EAGLE-2's dynamic tree, the rules of drafting.draft_tree) have the same three graphs with fixed
-shapes: every level feeds its top-k nodes, the candidates are ranked on the device, and the verify
+shapes: every level feeds its top-k nodes, the candidates are ranked on the device (by counting, not
+with a sort), and the verify
 graph walks the greedy path itself and moves its entries into place (see `_tree_buffers`), so a tree
 cycle reads the device once, like a chain's.
 
@@ -60,6 +61,16 @@ def tree_capacity(n: int, max_new: int, topk: int, depth: int, total: int) -> in
     """Cache slots that trees may write: as for chains, with a cycle writing up to max(total + 1 target
     slots, (depth - 1) * topk draft slots, depth + 1 rebuilt ones) after the committed ones."""
     return n + max_new + 3 * max(total + 1, (depth - 1) * topk, depth + 1) + 1
+
+
+def _stable_order(keys: torch.Tensor) -> torch.Tensor:
+    """Indices that sort keys [n] ascending, ties in index order: a stable argsort by counting, for the
+    small n of a tree (a few hundred). Element-wise work only, so it can be captured in a CUDA graph
+    (CUB's stable sorts cannot always be)."""
+    idx = torch.arange(keys.numel(), device=keys.device)
+    before = (keys[None, :] < keys[:, None]) | ((keys[None, :] == keys[:, None]) & (idx[None, :] < idx[:, None]))
+    rank = before.sum(1)  # [n]: a permutation of 0..n-1
+    return torch.empty_like(idx).scatter_(0, rank, idx)
 
 
 class StaticKVCache(KVCache):
@@ -319,8 +330,9 @@ class GraphDecoder:
                     front_anc = seen[best // topk]
                 start += topk * topk
             scores, ids, levels, parents = (torch.cat(x) for x in (scores, ids, levels, parents))
-            chosen = torch.sort(scores, descending=True, stable=True).indices[:m]  # ties: earlier = shallower first
-            order = chosen[torch.sort(levels[chosen], stable=True).indices]  # parents first, siblings by score
+            # the m best by score (ties: the earlier, i.e. shallower, candidate), then parents first
+            chosen = _stable_order(-scores)[:m]
+            order = chosen[_stable_order(levels[chosen])]
             row_of = torch.zeros(pool, dtype=torch.long, device=dev)
             row_of[order] = self.cols[1:m + 1]  # pool index -> verify row (1..m)
             par = parents[order]

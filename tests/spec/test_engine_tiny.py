@@ -138,3 +138,18 @@ def test_static_path_grows_its_capacity_and_stays_lossless(tiny_target):
     with pytest.raises(ValueError, match="Eagle3Draft"):
         SpecEngine(tiny_target.model, ScriptedDraft(PROMPT, tiny_target.vocab_size), aux, static=True).generate(
             PROMPT, 8, steps=2)
+
+
+def test_the_static_trees_argsort_is_stable_like_torch_sort():
+    """The fixed-shape tree ranks candidates by counting (capturable in a CUDA graph); it must order them as
+    a stable sort does, ties (equal scores, repeated depths, -inf log-probs) in index order."""
+    import torch
+
+    from eyas.spec.graphs import _stable_order
+
+    g = torch.Generator().manual_seed(0)
+    cases = [torch.randint(0, 5, (40,), generator=g).float(), torch.randn(328, generator=g),
+             torch.tensor([0.0, float("-inf"), -1.0, float("-inf"), 0.0, -1.0]), torch.tensor([3, 1, 2, 1, 3, 2, 1])]
+    for keys in cases:
+        assert torch.equal(_stable_order(keys), torch.sort(keys, stable=True).indices)
+        assert torch.equal(_stable_order(-keys), torch.sort(keys, descending=True, stable=True).indices)
