@@ -333,9 +333,8 @@ class GraphDecoder:
             # the m best by score (ties: the earlier, i.e. shallower, candidate), then parents first
             chosen = _stable_order(-scores)[:m]
             order = chosen[_stable_order(levels[chosen])]
-            row_of = torch.zeros(pool, dtype=torch.long, device=dev)
-            row_of[order] = self.cols[1:m + 1]  # pool index -> verify row (1..m)
-            par = parents[order]
+            row_of = torch.zeros(pool, dtype=torch.long, device=dev).scatter_(0, order, self.cols[1:m + 1])
+            par = parents[order]  # pool indices; row_of maps them to verify rows (1..m)
             b["parents"][1:].copy_(torch.where(par >= 0, row_of[par.clamp(min=0)], 0))
             b["ids"][0, 1:].copy_(self.draft.to_target_ids(ids[order]))
             b["depths"][1:].copy_(levels[order])
