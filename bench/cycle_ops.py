@@ -21,7 +21,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from eyas.commands.eval import build_engine
 from eyas.data.benchmarks import mtbench_questions
-from eyas.spec.bench import encode_turn
+from eyas.spec.bench import encode_turn, settings_of
 from eyas.spec.engine import SpecEngine
 from eyas.target import load_target
 
@@ -53,9 +53,8 @@ def main() -> None:
     engine = SpecEngine(target.model, loaded.draft, loaded.runner.aux_layers, static=True)
     tok = target.tokenizer
     ids = encode_turn(tok, [{"role": "user", "content": mtbench_questions()[0]["turns"][0]}])
-    settings = [(f"k={k}", dict(steps=int(k))) for k in args.steps.split(",") if k.strip()]
-    settings += [(f"tree {t.strip()}", dict(tree=tuple(int(x) for x in t.split(","))))
-                 for t in args.trees.split(";") if t.strip()]
+    settings = settings_of([int(k) for k in args.steps.split(",") if k.strip()], None)  # eval's names
+    settings += [s for t in args.trees.split(";") if t.strip() for s in settings_of([], t.strip())]
     engine.plain_generate(ids, 4)  # makes the decoder and fills the caches
     dec = engine._decoder
     engine.runner.attach()

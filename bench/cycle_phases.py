@@ -25,7 +25,7 @@ import torch
 
 from eyas.commands.eval import build_engine
 from eyas.data.benchmarks import mtbench_questions
-from eyas.spec.bench import encode_turn
+from eyas.spec.bench import encode_turn, settings_of
 from eyas.target import load_target
 
 
@@ -87,9 +87,8 @@ def main() -> None:
         plain_ms.append(timed(b["step"], reset, args.repeats, cuda))
     plain = statistics.median(plain_ms)
     rows.append(("plain step", plain, 1.0, statistics.median(plain_cycle), None))
-    settings = [(f"k={k}", dict(steps=int(k))) for k in args.steps.split(",") if k.strip()]
-    settings += [(f"tree {t.strip()}", dict(tree=tuple(int(x) for x in t.split(","))))
-                 for t in args.trees.split(";") if t.strip()]
+    settings = settings_of([int(k) for k in args.steps.split(",") if k.strip()], None)  # eval's names
+    settings += [s for t in args.trees.split(";") if t.strip() for s in settings_of([], t.strip())]
     for name, setting in settings:
         draft_phase = "chain" if "steps" in setting else "tree"
         per = {draft_phase: [], "verify": [], "rebuild": [], "cycle": [], "tau": []}

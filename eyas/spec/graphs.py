@@ -27,9 +27,8 @@ time counts in `total_s`, as it does for a serving engine that runs ahead.
 
 Trees (EAGLE-2's dynamic tree, the rules of drafting.draft_tree) have the same three graphs with fixed
 shapes: every level feeds its top-k nodes, the candidates are ranked on the device (by counting, not
-with a sort), and the verify
-graph walks the greedy path itself and moves its entries into place (see `_tree_buffers`), so a tree
-cycle reads the device once, like a chain's.
+with a sort), and the verify graph walks the greedy path itself and moves its entries into place (see
+`_tree_buffers`), so a tree cycle reads the device once, like a chain's.
 
 On a CPU, or with graphs off, the same functions run eagerly (same buffers, same order), which is
 how the tests check this path against the dynamic engine without a GPU. Greedy only: sampling uses
@@ -296,7 +295,7 @@ class GraphDecoder:
              "aux": torch.zeros(depth + 1, len(self.runner.aux_layers) * self.hidden_size, dtype=self.dtype,
                                 device=dev),
              "read": torch.zeros(depth + 3, dtype=torch.long, device=dev),  # best along the path, a, tree depth
-             "reads": _Reads(depth + 3, dev), "size": m, "pool": pool}
+             "reads": _Reads(depth + 3, dev), "size": m}
         self.runner.attach()  # the verify pass needs the aux hooks while it is traced
         self.n.zero_()  # capture runs each pass three times from n = 0: slots stay inside the cache
         self.a.zero_()

@@ -117,10 +117,11 @@ def _dynamic(*tensors) -> None:
 
     Otherwise the compiler specialises the first graph of each unrolled step on the first batch's shape
     and compiles it again, with those dimensions dynamic, for each dimension that changes later (batch
-    rows, then length). Dense attention only: with flex attention the block mask, built outside the
-    compiled step for one length, pins the length anyway (on this CPU, marked or not, the flex steps
-    compiled again for new lengths), and the `full` preset's first 40 steps on the H200 spent about
-    370 s compiling. Inputs are [B, T, ...] (hidden states, ids, rope tables) or [B, heads, T, d].
+    rows, then length). Dense attention only: with flex attention the block mask is built outside the
+    compiled step for one length, and the `full` preset's first 40 steps on the H200 spent about 370 s
+    compiling. Why is open: on this CPU (forward only) inductor compiled flex steps twice and then not
+    again for new lengths, while dynamo's eager backend compiled again for lengths that are not multiples
+    of 128. Inputs are [B, T, ...] (hidden states, ids, rope tables) or [B, heads, T, d].
     """
     import torch._dynamo as dynamo
 
