@@ -352,10 +352,12 @@ class GraphDecoder:
             accepted = match
             for _ in range(depth):
                 accepted = match & accepted[b["parents"]]
-            node = torch.where(accepted, b["depths"], -1).argmax()  # the deepest accepted node (one per depth)
-            self.a.copy_(b["depths"][node])
+            # the deepest accepted node (one per depth), kept a 1-element tensor: indexing with a 0-dim tensor
+            # reads it on the host, which a CUDA graph capture refuses
+            node = torch.where(accepted, b["depths"], -1).argmax().view(1)
+            self.a.copy_(b["depths"].index_select(0, node).view(()))
             path = node.expand(depth + 2).clone()  # rows along the path by depth; later entries repeat the node
-            path.scatter_(0, torch.where(b["anc"][node], b["depths"], depth + 1), b["rows"])
+            path.scatter_(0, torch.where(b["anc"].index_select(0, node)[0], b["depths"], depth + 1), b["rows"])
             path = path[:depth + 1]
             slots, dest = self.n + path, self.n + self.cols[:depth + 1]
             for store in (self.cache.keys, self.cache.values):  # the path's entries move to slots n..n + depth
