@@ -5,6 +5,7 @@ what decides the engine's overhead on a GPU. Model forwards are excluded; only t
 import pytest
 import torch
 from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from eyas.spec.engine import SpecEngine
 from eyas.spec.oracle import untrained_draft
@@ -110,3 +111,51 @@ def test_draft_cache_is_extended_in_place(tiny_target, setting):
     assert res.tokens == ref
     assert w.full_copies == 0
     assert len(w.stores) >= 2 * res.num_cycles and len(set(w.stores)) <= 3, (len(w.stores), len(set(w.stores)))
+
+
+class SyncOps(TorchDispatchMode):
+    """Operators that make a CUDA stream wait for the host (so that a CUDA graph capture refuses them),
+    seen at the dispatcher, where C++ paths the function mode above cannot see show up too: a tensor
+    indexed with a 0-dim tensor reads it (`_local_scalar_dense`), a boolean mask needs `nonzero`'s count."""
+
+    SYNCING = {"_local_scalar_dense", "nonzero", "masked_select", "unique", "_unique", "_unique2",
+               "unique_consecutive", "unique_dim"}
+
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        bool_index = name == "index" and any(isinstance(i, torch.Tensor) and i.dtype == torch.bool
+                                             for i in (args[1] if len(args) > 1 else ()) if i is not None)
+        no_size = name == "repeat_interleave" and (kwargs or {}).get("output_size") is None
+        if name in self.SYNCING or bool_index or no_size:
+            self.seen.append(name)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("setting", [None, dict(steps=4), dict(tree=(4, 4, 12)), dict(tree=(3, 1, 3))])
+def test_fixed_shape_passes_never_wait_for_the_host(tiny_target, setting, monkeypatch):
+    """Every pass that the GPU captures as a CUDA graph (plain step, chain or tree, verify, rebuild) run here
+    eagerly under a dispatcher watch: none may read a tensor on the host or size an output by its data. On
+    the H200 a tree's verify pass once indexed with a 0-dim tensor and the capture failed; this catches it
+    on the CPU."""
+    from eyas.spec import graphs
+
+    watch = SyncOps()
+    passes = []
+
+    def watched(step):
+        passes.append(step.fn)
+        with watch:
+            step.fn()
+
+    monkeypatch.setattr(graphs._Step, "__call__", watched)
+    draft, aux = draft_for(tiny_target)
+    engine = SpecEngine(tiny_target.model, draft if setting else None, aux if setting else None, static=True)
+    ref = SpecEngine(tiny_target.model).plain_generate(PROMPT, 30).tokens
+    res = engine.plain_generate(PROMPT, 30) if setting is None else engine.generate(PROMPT, 30, **setting)
+    assert res.tokens == ref
+    assert len(passes) >= res.num_cycles
+    assert watch.seen == [], sorted(set(watch.seen))
