@@ -91,6 +91,27 @@ def to_device(batch: dict, device="cpu", feature_fn=None) -> dict:
     return batch
 
 
+def pad_rows(batch: dict, min_tokens: int) -> dict:
+    """The batch with empty rows appended (zeros, masks off) until it has at least 2 rows and `min_tokens`
+    positions; unchanged if it has them already.
+
+    For compiled training steps: the packer's leftover batches (the last of each 256-sample window) can
+    have one row or a few thousand tokens, and on the H200 each such batch made all K unrolled steps
+    compile again (a one-row batch is specialised; inductor's size-dependent fusion decisions, taken on a
+    big batch, fail below a threshold). Empty rows carry no loss and no statistics (docs/PERFORMANCE.md).
+    """
+    b, t = batch["input_ids"].shape
+    rows = max(2, -(-min_tokens // t))
+    if b >= rows:
+        return batch
+    out = {}
+    for key, x in batch.items():
+        if isinstance(x, torch.Tensor) and x.dim() >= 1 and x.shape[0] == b:
+            x = torch.cat([x, x.new_zeros((rows - b, *x.shape[1:]))])
+        out[key] = x
+    return out
+
+
 def collate(fetch, indices: list[int], batch_tokens: int, feature_fn=None, device="cpu") -> dict:
     """collate_host then to_device, in this thread."""
     return to_device(collate_host(fetch, indices, batch_tokens), device, feature_fn)

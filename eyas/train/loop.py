@@ -20,6 +20,7 @@ from eyas.config import RunConfig
 from eyas.draft import DraftConfig, Eagle3Draft
 from eyas.train import checkpoint as ckpt
 from eyas.train import dist
+from eyas.train.data import pad_rows
 from eyas.train.metrics import MetricsLogger, peak_memory_gib
 from eyas.train.source import TrainSource
 from eyas.train.ttt import TTTResult, draft_step, simulated_tau, ttt_forward
@@ -29,13 +30,21 @@ class TTTModule(nn.Module):
     """The draft plus its TTT loss as one module, so DDP/FSDP see one forward per micro-batch."""
 
     def __init__(self, draft: Eagle3Draft, ttt: int, loss_decay: float, features: str, *,
-                 impl: str = "fast", attention: str = "dense", compile: bool = False):
+                 impl: str = "fast", attention: str = "dense", compile: bool = False, min_tokens: int = 0,
+                 compile_backend: str = "inductor"):
         super().__init__()
         self.draft = draft
         self.ttt, self.loss_decay, self.features = ttt, loss_decay, features
         self.impl, self.attention = impl, attention
-        # compile the per-step layer function, not the module: checkpoints keep the plain draft's keys
-        self.step_fn = torch.compile(draft_step) if compile else None
+        # a compiled step pads small batches with empty rows to >= 2 rows and min_tokens positions, so that
+        # the packer's leftover batches do not compile every unrolled step again (eyas.train.data.pad_rows)
+        self.min_tokens = min_tokens if compile else 0
+        # compile the per-step layer function, not the module: checkpoints keep the plain draft's keys.
+        # Steps mark their batch and length dimensions dynamic before the first call (ttt._dynamic);
+        # a flex step's length is tied to its block mask's int lengths, so it is compiled dynamic from the
+        # start: on the H200 the first change of batch shape otherwise compiled all K steps again
+        dynamic = True if attention == "flex" else None
+        self.step_fn = torch.compile(draft_step, backend=compile_backend, dynamic=dynamic) if compile else None
         if compile:
             # each unrolled step is its own graph (step 0 has no diagonal keys, step k has k of them), plus
             # the variants of the backward and of the last, shorter batch: dynamo's default limit of 8 graphs
@@ -45,6 +54,8 @@ class TTTModule(nn.Module):
             dynamo.config.recompile_limit = max(dynamo.config.recompile_limit, 4 * (ttt + 1))
 
     def forward(self, batch: dict, lm_head_weight: torch.Tensor) -> TTTResult:
+        if self.min_tokens:
+            batch = pad_rows(batch, self.min_tokens)
         return ttt_forward(self.draft, batch, lm_head_weight, self.ttt, self.loss_decay, self.features,
                            impl=self.impl, attention=self.attention, step_fn=self.step_fn)
 
@@ -133,7 +144,7 @@ def _train(cfg, tc, run_dir: Path, source: TrainSource, resume: bool, info: dist
         print0(f"train.attention=flex needs CUDA (its backward has no CPU kernel); using dense on {info.device}")
         attention = "dense"
     model = dist.wrap(TTTModule(draft, tc.ttt, tc.loss_decay, tc.features, attention=attention,
-                                compile=compile_step), info, tc.fsdp)
+                                compile=compile_step, min_tokens=tc.batch_tokens // 2), info, tc.fsdp)
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=tc.lr, betas=(0.9, 0.95), weight_decay=tc.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(total_steps, tc.warmup_steps, tc.min_lr_ratio))
@@ -203,7 +214,9 @@ def _train(cfg, tc, run_dir: Path, source: TrainSource, resume: bool, info: dist
     wall = state["elapsed_s"]  # training time of all sessions of this run (resumes add up)
     summary = {
         **{k: v for k, v in last.items() if k not in ("step", "tokens_per_s", "elapsed_s")},  # last window's metrics
-        "run_dir": str(run_dir), "steps": total_steps, "epochs": state["epoch"], "tokens": state["tokens"],
+        "run_dir": str(run_dir), "steps": total_steps,
+        # passes over the data: the data position after the last batch is (epoch, index of the next batch)
+        "epochs": round(state["epoch"] + state["batch_index"] / max(1, batches_per_epoch), 3), "tokens": state["tokens"],
         "wall_s": round(wall, 3), "tokens_per_s": round(state["tokens"] / wall, 1) if wall > 0 else 0.0,
         "last_window_tokens_per_s": last.get("tokens_per_s"), "world_size": info.world_size,
         "checkpoint": str(run_dir / "latest"), "curves": str(curves) if curves else None,

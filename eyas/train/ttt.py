@@ -112,16 +112,15 @@ def draft_step(draft: Eagle3Draft, h, ids_k, cos, sin, k0, v0, diag_k: list, dia
     return layer.finish(h, attn.o_proj(out)), kk, vv
 
 
-def _dynamic(*tensors) -> None:
+def _dynamic(*tensors, block_mask=None) -> None:
     """Mark the batch and sequence dimensions of a compiled step's inputs dynamic before the first call.
 
     Otherwise the compiler specialises the first graph of each unrolled step on the first batch's shape
-    and compiles it again, with those dimensions dynamic, for each dimension that changes later (batch
-    rows, then length). Dense attention only: with flex attention the block mask is built outside the
-    compiled step for one length, and the `full` preset's first 40 steps on the H200 spent about 370 s
-    compiling. Why is open: on this CPU (forward only) inductor compiled flex steps twice and then not
-    again for new lengths, while dynamo's eager backend compiled again for lengths that are not multiples
-    of 128. Inputs are [B, T, ...] (hidden states, ids, rope tables) or [B, heads, T, d].
+    and compiles all K steps again, dynamic, when a dimension first changes. Inputs are [B, T, ...] (hidden
+    states, ids, rope tables) or [B, heads, T, d]; a flex block mask's block counts ([1, 1, T/128] and
+    [1, 1, T/128, (k+1)T/128]) follow T. For flex this is not enough alone: the length is tied to the block
+    mask's lengths, plain ints, so TTTModule also compiles flex steps with `dynamic=True`; the marks keep
+    dynamo from tying the batch size to a block count of the same value (its "duck sizing").
     """
     import torch._dynamo as dynamo
 
@@ -130,6 +129,13 @@ def _dynamic(*tensors) -> None:
             continue
         dynamo.maybe_mark_dynamic(x, 0)
         dynamo.maybe_mark_dynamic(x, 2 if x.dim() == 4 else 1)
+    if block_mask is not None:
+        for name in ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices",
+                     "q_num_blocks", "q_indices", "full_q_num_blocks", "full_q_indices"):
+            x = getattr(block_mask, name, None)
+            if isinstance(x, torch.Tensor):
+                for dim in range(2, x.dim()):
+                    dynamo.maybe_mark_dynamic(x, dim)
 
 
 @dataclass
@@ -212,8 +218,8 @@ def ttt_forward(draft: Eagle3Draft, batch: dict, lm_head_weight: torch.Tensor, t
         cos, sin = rope_cos_sin(cfg, pos + k, h.dtype)
         mask = ttt_block_mask(t, k, ids.device) if attention == "flex" else None
         ids_k = shift_left(ids, 1 + k)
-        if step_fn is not draft_step and attention == "dense":  # compiled: one graph per step (see _dynamic)
-            _dynamic(h, ids_k, cos, sin, k0, v0, *diag_k, *diag_v)
+        if step_fn is not draft_step:  # compiled: one graph per unrolled step (see _dynamic)
+            _dynamic(h, ids_k, cos, sin, k0, v0, *diag_k, *diag_v, block_mask=mask)
         h, kk, vv = step_fn(draft, h, ids_k, cos, sin, k0, v0, diag_k, diag_v, attention, mask)
         if k == 0:
             k0, v0 = kk, vv

@@ -116,3 +116,48 @@ def test_a_compiled_dense_step_is_traced_once_for_every_batch_shape():
         res.loss.backward()
     assert counters["stats"]["unique_graphs"] == k
     dynamo.reset()
+
+
+def test_padding_rows_changes_neither_loss_nor_statistics():
+    """pad_rows (what a compiled step does to small batches) appends empty rows: the loss, the per-step
+    statistics and the gradients are those of the unpadded batch."""
+    from eyas.train.data import pad_rows
+
+    batch, lm_head = make_batch([37, 20], seed=5), torch.randn(V, H)
+    padded = pad_rows(batch, 200)
+    assert padded["input_ids"].shape == (6, 37) and not padded["attention_mask"][2:].any()
+    assert pad_rows(padded, 200) is padded and pad_rows(batch, 10)["input_ids"].shape[0] == 2
+    assert pad_rows(make_batch([37], seed=5), 1)["input_ids"].shape[0] == 2  # never one row
+    res, g = run("fast", batch, lm_head)
+    res_p, g_p = run("fast", padded, lm_head)
+    assert res.count_k == res_p.count_k and res.correct_k == res_p.correct_k
+    assert_close(res_p.loss, res.loss, rtol=1e-6, atol=1e-6)
+    for name in g:
+        assert_close(g_p[name], g[name], rtol=1e-5, atol=1e-6)
+
+
+def test_a_compiled_flex_step_is_traced_once_for_every_batch_shape():
+    """The H200's `full` run compiled its flex steps in four rounds of K graphs (first batch, first change
+    of rows, a small batch, a one-row batch). Compiled dynamic from the start and with small batches padded
+    (TTTModule with compile), each unrolled step is traced once over batches of
+    changing rows and lengths, one-row leftovers included (dynamo's eager backend, forward only: flex
+    attention has no CPU backward)."""
+    import torch._dynamo as dynamo
+    from torch._dynamo.utils import counters
+
+    from eyas.train.loop import TTTModule
+
+    k = 3
+    model = TTTModule(make_draft(), k, 0.8, "fused", attention="flex", compile=True, min_tokens=600,
+                      compile_backend="eager")  # no code generation on the CPU
+    lm_head = torch.randn(V, H)
+    dynamo.reset()
+    counters.clear()
+    try:
+        with torch.no_grad():
+            for i, lengths in enumerate([[300, 290, 260], [200, 180], [140] * 5, [390], [256, 130], [170]]):
+                res = model(make_batch(lengths, seed=i), lm_head)
+                assert res.count_k[0] > 0
+        assert counters["stats"]["unique_graphs"] == k
+    finally:
+        dynamo.reset()

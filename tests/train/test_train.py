@@ -51,6 +51,8 @@ def test_train_learns_and_writes_a_self_describing_run(tmp_path):
     assert meta["target_num_layers"] == 4  # the exporters derive SGLang's layer ids and configs from it
     assert (tmp_path / "curves.png").stat().st_size > 1000 and any((tmp_path / "tb").iterdir())
     assert summary["steps"] == 20 and 1.0 <= summary["tau_sim"] <= 4.0
+    per_epoch = synthetic_source().batcher(128, 0).batches_per_epoch()
+    assert summary["epochs"] == pytest.approx(20 / per_epoch, abs=1e-3)  # passes made, not the last epoch's index
     # RUN/summary.json: what the pipeline reads for the stage's throughput, whole-run figures
     on_disk = json.loads((tmp_path / "summary.json").read_text())
     assert on_disk == json.loads(json.dumps(summary))
