@@ -41,6 +41,7 @@ import time
 
 import torch
 
+from eyas.common import EyasError
 from eyas.draft.cache import DraftCache
 from eyas.spec.target import KVCache, TargetRunner, cache_geometry
 
@@ -113,7 +114,7 @@ class _Step:
     """`fn` (which writes its results into persistent buffers) captured as a CUDA graph and replayed,
     or simply called when graphs are off."""
 
-    def __init__(self, fn, device: torch.device, graphs: bool):
+    def __init__(self, fn, device: torch.device, graphs: bool, name: str = "pass"):
         self.fn, self.graph = fn, None
         if not graphs:
             return
@@ -124,8 +125,14 @@ class _Step:
                 fn()
         torch.cuda.current_stream(device).wait_stream(side)
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
-            fn()
+        try:
+            with torch.cuda.graph(self.graph):
+                fn()
+        except RuntimeError as e:  # torch.AcceleratorError is one; the CUDA context may be unusable after it
+            raise EyasError(
+                f"capturing the {name} pass as a CUDA graph failed ({str(e).splitlines()[0]}); this is a bug in "
+                f"eyas (an operation in the pass waits for the host). Decode eagerly instead with `eyas eval "
+                f"--no-cuda-graphs` (or --set eval.cuda_graphs=false) and report the error") from e
 
     def __call__(self) -> None:
         if self.graph is None:
@@ -258,8 +265,9 @@ class GraphDecoder:
             b["read"][2 * k + 1:].copy_(self.a.view(1))
 
         counted = r.forward_tokens
-        b["chain"], b["verify"], b["rebuild"] = (_Step(f, self.device, self.graphs)
-                                                 for f in (chain, verify, lambda: self._rebuild(b)))
+        b["chain"], b["verify"], b["rebuild"] = (
+            _Step(f, self.device, self.graphs, f"chain-{k} {name}")
+            for f, name in ((chain, "chain"), (verify, "verify"), (lambda: self._rebuild(b), "rebuild")))
         r.forward_tokens = counted  # capture ran the passes; only real replays count
         self.steps[("chain", k)] = b
         return b
@@ -369,8 +377,9 @@ class GraphDecoder:
             b["read"][depth + 2:].copy_(b["depths"].max().view(1))
 
         counted = self.runner.forward_tokens
-        b["tree"], b["verify"], b["rebuild"] = (_Step(f, self.device, self.graphs)
-                                                for f in (tree, verify, lambda: self._rebuild(b)))
+        b["tree"], b["verify"], b["rebuild"] = (
+            _Step(f, self.device, self.graphs, f"tree {topk},{depth},{total} {name}")
+            for f, name in ((tree, "tree"), (verify, "verify"), (lambda: self._rebuild(b), "rebuild")))
         self.runner.forward_tokens = counted
         self.steps[key] = b
         return b
@@ -387,7 +396,7 @@ class GraphDecoder:
             self.n.add_(1)
 
         counted = self.runner.forward_tokens
-        b["step"] = _Step(step, self.device, self.graphs)
+        b["step"] = _Step(step, self.device, self.graphs, "plain step")
         self.runner.forward_tokens = counted
         self.steps["plain"] = b
         return b

@@ -108,3 +108,19 @@ def test_cuda_graphs_on_the_tiny_target():
             assert dtype == "bf16" or got.tokens == ref
             assert got.accepted_per_cycle == want.accepted_per_cycle
         assert graphed._decoder.graphs and not eager._decoder.graphs
+
+
+def test_a_pass_that_waits_for_the_host_fails_capture_with_the_way_out():
+    """A pass that reads a tensor on the host cannot be captured; the error names the pass and the eager
+    fallback the user can choose (no silent one)."""
+    from eyas.common import EyasError
+    from eyas.spec.graphs import _Step
+
+    x = torch.arange(4, device="cuda")
+    out = torch.zeros((), dtype=torch.long, device="cuda")
+
+    def reads_on_the_host():
+        out.copy_(x[x.argmax()])  # a 0-dim tensor index: a host read
+
+    with pytest.raises(EyasError, match=r"verify pass .*--no-cuda-graphs"):
+        _Step(reads_on_the_host, torch.device("cuda"), True, "verify")
