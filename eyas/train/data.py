@@ -91,9 +91,10 @@ def to_device(batch: dict, device="cpu", feature_fn=None) -> dict:
     return batch
 
 
-def pad_rows(batch: dict, min_tokens: int) -> dict:
+def pad_rows(batch: dict, min_tokens: int, max_tokens: int | None = None) -> dict:
     """The batch with empty rows appended (zeros, masks off) until it has at least 2 rows and `min_tokens`
-    positions; unchanged if it has them already.
+    positions, but never more than `max_tokens` positions (the token budget that sized memory); unchanged
+    if it has them already.
 
     For compiled training steps: the packer's leftover batches (the last of each 256-sample window) can
     have one row or a few thousand tokens, and on the H200 each such batch made all K unrolled steps
@@ -102,6 +103,8 @@ def pad_rows(batch: dict, min_tokens: int) -> dict:
     """
     b, t = batch["input_ids"].shape
     rows = max(2, -(-min_tokens // t))
+    if max_tokens is not None:
+        rows = min(rows, max_tokens // t)
     if b >= rows:
         return batch
     out = {}

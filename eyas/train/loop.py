@@ -30,15 +30,16 @@ class TTTModule(nn.Module):
     """The draft plus its TTT loss as one module, so DDP/FSDP see one forward per micro-batch."""
 
     def __init__(self, draft: Eagle3Draft, ttt: int, loss_decay: float, features: str, *,
-                 impl: str = "fast", attention: str = "dense", compile: bool = False, min_tokens: int = 0,
+                 impl: str = "fast", attention: str = "dense", compile: bool = False, batch_tokens: int = 0,
                  compile_backend: str = "inductor"):
         super().__init__()
         self.draft = draft
         self.ttt, self.loss_decay, self.features = ttt, loss_decay, features
         self.impl, self.attention = impl, attention
-        # a compiled step pads small batches with empty rows to >= 2 rows and min_tokens positions, so that
-        # the packer's leftover batches do not compile every unrolled step again (eyas.train.data.pad_rows)
-        self.min_tokens = min_tokens if compile else 0
+        # a compiled step pads small batches with empty rows to >= 2 rows and half the token budget (never
+        # past the budget), so that the packer's leftover batches do not compile every unrolled step again
+        # (eyas.train.data.pad_rows)
+        self.batch_tokens = batch_tokens if compile else 0
         # compile the per-step layer function, not the module: checkpoints keep the plain draft's keys.
         # Steps mark their batch and length dimensions dynamic before the first call (ttt._dynamic);
         # a flex step's length is tied to its block mask's int lengths, so it is compiled dynamic from the
@@ -54,8 +55,8 @@ class TTTModule(nn.Module):
             dynamo.config.recompile_limit = max(dynamo.config.recompile_limit, 4 * (ttt + 1))
 
     def forward(self, batch: dict, lm_head_weight: torch.Tensor) -> TTTResult:
-        if self.min_tokens:
-            batch = pad_rows(batch, self.min_tokens)
+        if self.batch_tokens:
+            batch = pad_rows(batch, self.batch_tokens // 2, self.batch_tokens)
         return ttt_forward(self.draft, batch, lm_head_weight, self.ttt, self.loss_decay, self.features,
                            impl=self.impl, attention=self.attention, step_fn=self.step_fn)
 
@@ -144,7 +145,7 @@ def _train(cfg, tc, run_dir: Path, source: TrainSource, resume: bool, info: dist
         print0(f"train.attention=flex needs CUDA (its backward has no CPU kernel); using dense on {info.device}")
         attention = "dense"
     model = dist.wrap(TTTModule(draft, tc.ttt, tc.loss_decay, tc.features, attention=attention,
-                                compile=compile_step, min_tokens=tc.batch_tokens // 2), info, tc.fsdp)
+                                compile=compile_step, batch_tokens=tc.batch_tokens), info, tc.fsdp)
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=tc.lr, betas=(0.9, 0.95), weight_decay=tc.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(total_steps, tc.warmup_steps, tc.min_lr_ratio))

@@ -127,7 +127,9 @@ def test_padding_rows_changes_neither_loss_nor_statistics():
     padded = pad_rows(batch, 200)
     assert padded["input_ids"].shape == (6, 37) and not padded["attention_mask"][2:].any()
     assert pad_rows(padded, 200) is padded and pad_rows(batch, 10)["input_ids"].shape[0] == 2
-    assert pad_rows(make_batch([37], seed=5), 1)["input_ids"].shape[0] == 2  # never one row
+    assert pad_rows(make_batch([37], seed=5), 1)["input_ids"].shape[0] == 2  # never one row...
+    assert pad_rows(make_batch([37], seed=5), 1, 40)["input_ids"].shape[0] == 1  # ...unless past the budget
+    assert pad_rows(batch, 200, 120)["input_ids"].shape[0] == 3  # at most the budget's rows
     res, g = run("fast", batch, lm_head)
     res_p, g_p = run("fast", padded, lm_head)
     assert res.count_k == res_p.count_k and res.correct_k == res_p.correct_k
@@ -148,7 +150,7 @@ def test_a_compiled_flex_step_is_traced_once_for_every_batch_shape():
     from eyas.train.loop import TTTModule
 
     k = 3
-    model = TTTModule(make_draft(), k, 0.8, "fused", attention="flex", compile=True, min_tokens=600,
+    model = TTTModule(make_draft(), k, 0.8, "fused", attention="flex", compile=True, batch_tokens=1200,
                       compile_backend="eager")  # no code generation on the CPU
     lm_head = torch.randn(V, H)
     dynamo.reset()
