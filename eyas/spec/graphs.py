@@ -114,7 +114,7 @@ class _Step:
     """`fn` (which writes its results into persistent buffers) captured as a CUDA graph and replayed,
     or simply called when graphs are off."""
 
-    def __init__(self, fn, device: torch.device, graphs: bool, name: str = "pass"):
+    def __init__(self, fn, device: torch.device, graphs: bool, name: str):
         self.fn, self.graph = fn, None
         if not graphs:
             return
