@@ -338,8 +338,11 @@ def _coerce(key: str, value: Any, tp: Any) -> Any:
         return _coerce(key, value, inner[0])
     if origin is list:
         (item,) = args
-        if isinstance(value, str):
-            value = [v for v in value.split(",") if v.strip()] if value.strip() else []
+        if isinstance(value, str):  # "3,5,7", or as YAML writes a list: "[3, 5, 7]"
+            text = value.strip()
+            if text.startswith("[") and text.endswith("]"):
+                text = text[1:-1]
+            value = [v.strip() for v in text.split(",") if v.strip()]
         if not isinstance(value, (list, tuple)):
             raise ConfigError(f"{key}: expected a list, got {value!r}")
         return [_coerce(key, v, item) for v in value]

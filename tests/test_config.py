@@ -20,6 +20,12 @@ def test_overrides_are_type_checked():
     assert cfg.data.data == ["a.jsonl", "b.jsonl"]
 
 
+def test_a_list_may_be_written_as_yaml_writes_it():
+    cfg = load_config("tiny", ["eval.steps=[3, 5]", "eval.benches=[mt-bench]", "data.data=a.jsonl, b.jsonl"])
+    assert cfg.eval.steps == [3, 5] and cfg.eval.benches == ["mt-bench"]
+    assert cfg.data.data == ["a.jsonl", "b.jsonl"]  # no stray spaces in the names
+
+
 @pytest.mark.parametrize("item, words", [
     ("train.nope=1", ["unknown key train.nope", "valid keys:", "lr", "ttt"]),
     ("bogus.lr=1", ["unknown config section 'bogus'", "train"]),
