@@ -39,8 +39,8 @@ def matmul_decode(module, query, key, value, attention_mask, dropout=0.0, scalin
     b, num_heads, q_len, head_dim = query.shape
     num_kv = key.shape[1]
     if q_len != 1 or num_heads == num_kv:
-        return GROUPED_SDPA(module, query, key, value, attention_mask, dropout=dropout,
-                                         scaling=scaling, is_causal=is_causal, **kwargs)
+        return GROUPED_SDPA(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                            is_causal=is_causal, **kwargs)
     scale = scaling if scaling is not None else head_dim ** -0.5
     q = query.reshape(b, num_kv, num_heads // num_kv, head_dim)  # [B, KV, g, D]
     scores = torch.matmul(q, key.transpose(-1, -2)).float() * scale  # [B, KV, g, L]

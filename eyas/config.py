@@ -307,8 +307,9 @@ def full() -> RunConfig:
                           save_every=1000, attention="flex", compile=True, val_samples=120, val_every=100),
         # greedy chains, the tree and plain decoding replay CUDA graphs (one device read per cycle). Tree 12,3,36:
         # wider and shallower than 8,4,24, it accepted more on the CPU (tau 1.78 against 1.71, 8 MT-bench turns) and
-        # on the H200 cost less per cycle for more tokens (1.39x against 1.32x end to end, 3 turns; depths 5-6
-        # were accepted in 0.1 % of cycles). docs/PERFORMANCE.md, "Trees against chains" and the seventh session
+        # on the H200 cost less per cycle for more tokens (1.39x against 1.32x end to end, 3 turns). Depth does not
+        # pay: a depth-6 tree (8,6,40) accepted at its depths 5 and 6 in 0.1 % of cycles (docs/PERFORMANCE.md,
+        # "Trees against chains" and "Seventh session")
         eval=EvalConfig(benches=["mt-bench", "humaneval"], steps=[3, 5, 7], tree="12,3,36", max_new_tokens=256,
                         limit=12, hf_baseline=False),
     )
