@@ -149,6 +149,29 @@ def save_config(cfg: RunConfig, path: str | Path) -> None:
     atomic_write_text(path, yaml.safe_dump(cfg.to_dict(), sort_keys=False))
 
 
+def capture_cuda_graph(fn, device, what: str, way_out: str, pool=None):
+    """`fn` (which writes its results into buffers allocated before) warmed up on a side stream, then
+    captured as a CUDA graph (in `pool` if given, a memory pool that graphs never replayed at once may
+    share). A pass that waits for the host cannot be captured: the error names `what` and `way_out`."""
+    import torch
+
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        for _ in range(2):  # lazy initialisation (cuBLAS workspaces, kernels) must happen outside capture
+            fn()
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(graph, pool=pool):
+            fn()
+    except RuntimeError as e:  # torch.AcceleratorError is one; the CUDA context may be unusable after it
+        raise EyasError(
+            f"capturing {what} as a CUDA graph failed ({str(e).splitlines()[0]}); this is a bug in eyas (an "
+            f"operation in the pass waits for the host). {way_out} and report the error") from e
+    return graph
+
+
 def format_bytes(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if abs(n) < 1024 or unit == "TiB":

@@ -84,7 +84,8 @@ class DataConfig:
     regenerate: str | None = None  # None | "local" | an OpenAI-compatible base URL
     regen_max_new_tokens: int = 256
     regen_temperature: float = 0.0
-    regen_batch_size: int = 16
+    regen_batch_size: int = 16  # rows decoded at once (a finished row is given the next prompt)
+    regen_cuda_graphs: bool = True  # on CUDA, replay each decoding step of local regeneration as a CUDA graph
     regen_concurrency: int = 8  # requests in flight to an OpenAI-compatible server
     regen_timeout_s: float = 120.0  # per request to a server
     regen_retries: int = 3  # per request, on connection errors, timeouts, 429 and 5xx

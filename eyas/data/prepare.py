@@ -116,7 +116,8 @@ def _self_prompts(cfg: RunConfig, target, template: ChatTemplate, out: Path) -> 
         prompts, summary = write_self_prompts(target, template, dc.self_prompts, path,
                                               temperature=dc.self_prompt_temperature,
                                               max_new_tokens=dc.self_prompt_max_tokens,
-                                              batch_size=dc.regen_batch_size, seed=dc.seed)
+                                              batch_size=dc.regen_batch_size, seed=dc.seed,
+                                              cuda_graphs=dc.regen_cuda_graphs)
     except ValueError as e:
         raise EyasError(f"data.self_prompts: {e}") from None
     convs = [Conversation(p["id"], [{"role": "user", "content": p["prompt"]}], f"{path.name}:{p['id']}")
@@ -147,7 +148,7 @@ def _regenerate(cfg: RunConfig, target, template: ChatTemplate, convs: list[Conv
 
         results = regenerate_local(target, prompts, path, template=template, max_new_tokens=dc.regen_max_new_tokens,
                                    temperature=dc.regen_temperature, batch_size=dc.regen_batch_size, seed=dc.seed,
-                                   threads=dc.regen_threads)
+                                   threads=dc.regen_threads, cuda_graphs=dc.regen_cuda_graphs)
     else:
         from eyas.data.endpoint import regenerate_endpoint
 

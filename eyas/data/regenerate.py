@@ -1,12 +1,13 @@
 """Regeneration: the target writes the assistant responses it will later be asked to speculate on.
 
-Local mode runs batched generation in this process: prompts sorted by length (little padding),
-left-padded batches, one prefill and then one token per step for the rows still running. Rows that
-hit an end-of-turn token or the token limit leave the batch and its KV cache, so the cost per step
-falls as rows finish. Greedy by default; temperature > 0 samples with a seeded generator.
+Local mode generates in this process with continuous batching (generate_stream): a fixed number
+of slots decode one token per step, and a slot whose row hit an end-of-turn token or the token limit
+is given the next prompt (prompts sorted by length, so a prefill pass pads little). On CUDA a
+decoding step is replayed as a CUDA graph. Greedy by default; temperature > 0 samples with a seeded
+generator.
 
-Results are appended, one JSON line per prompt, to a JSONL file and flushed after every batch, so a
-crash loses at most one batch; a rerun reads the file, skips finished ids and continues. Each line
+Results are appended, one JSON line per prompt, to a JSONL file and flushed as rows finish, so a
+crash loses at most the rows in flight; a rerun reads the file, skips finished ids and continues. Each line
 carries the hash of the messages it answers, so an id whose prompt changed is generated again (the
 newest line of an id wins). A torn last line (the process died mid-write) is cut off before appending.
 """
@@ -17,7 +18,7 @@ import json
 import os
 import time
 from pathlib import Path
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Iterator
 
 import torch
 
@@ -126,39 +127,46 @@ class ResultsFile:
 
 # ---------------------------------------------------------------- batched generation
 
-class _BatchCache:
-    """Keys and values of a batch being decoded, written in place into buffers sized once for the whole
-    generation (transformers' DynamicCache concatenates every layer's cache on every step)."""
+class _SlotCache:
+    """Keys and values of `rows` sequences decoded side by side: [rows, kv_heads, capacity, head_dim] per
+    layer, one row per slot of the decoder, each row its own sequence from column 0.
+
+    What a decoder layer's `update` does depends on the pass (set by the decoder before it):
+    - prefill (`fill_rows` set): the new entries of those rows are written at columns 0..T-1 and the
+      attention needs only them;
+    - decoding (`fill_rows` None): each row writes its one new entry at its own column `write_at[row]`,
+      and the attention reads the first `width` columns of every row (the mask hides the rest).
+    Fixed shapes and device-side indices throughout, so a decoding step can be replayed as a CUDA graph.
+    """
 
     is_compileable = False
 
-    def __init__(self, config, batch: int, capacity: int, dtype, device):
+    def __init__(self, config, rows: int, capacity: int, dtype, device):
         # the geometry of eyas.spec.target.cache_geometry, which this layer may not import
         heads = config.num_attention_heads
         kv_heads = getattr(config, "num_key_value_heads", None) or heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-        shape = (batch, kv_heads, capacity, head_dim)  # per layer
-        self.kv = [(torch.empty(shape, dtype=dtype, device=device), torch.empty(shape, dtype=dtype, device=device))
+        shape = (rows, kv_heads, capacity, head_dim)
+        self.kv = [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
                    for _ in range(config.num_hidden_layers)]
-        self.length = 0
+        self.rows = torch.arange(rows, device=device)
+        self.fill_rows: torch.Tensor | None = None  # prefill: the rows being filled
+        self.write_at: torch.Tensor | None = None  # decoding: [rows] column each row writes
+        self.width = 0  # decoding: columns the attention reads
 
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
-        """What a decoder layer calls: store the new entries after `length`, return all of them."""
         keys, values = self.kv[layer_idx]
-        end = self.length + key_states.shape[2]
-        keys[:, :, self.length:end] = key_states
-        values[:, :, self.length:end] = value_states
-        return keys[:, :, :end], values[:, :, :end]
+        if self.fill_rows is not None:
+            t = key_states.shape[2]
+            keys[self.fill_rows, :, :t] = key_states
+            values[self.fill_rows, :, :t] = value_states
+            return key_states, value_states
+        keys[self.rows, :, self.write_at] = key_states[:, :, 0]
+        values[self.rows, :, self.write_at] = value_states[:, :, 0]
+        return keys[:, :, :self.width], values[:, :, :self.width]
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
-        return self.length
-
-    def advance(self, num_tokens: int) -> None:
-        self.length += num_tokens
-
-    def select(self, rows: torch.Tensor) -> None:
-        """Keep only these batch rows (a copy of the buffers)."""
-        self.kv = [(k[rows], v[rows]) for k, v in self.kv]
+        return 0 if self.fill_rows is not None else self.width - 1
 
 
 GROUPED_DECODE = "eyas_grouped_decode_sdpa"
@@ -207,94 +215,246 @@ class _GroupedDecode:
             self.model.config._attn_implementation = self.saved
 
 
-def generate_batch(model, prompts: list[list[int]], *, max_new_tokens: int, stop_ids: list[int], pad_id: int,
-                   temperature: float = 0.0, generator: torch.Generator | None = None,
-                   check_every: int = 16) -> list[dict]:
-    """Generate for left-padded prompts; returns [{tokens, finish: "stop"|"length"}] in input order.
+GRAPH_WIDTH_STEP = 128  # with CUDA graphs, decoding attends over a multiple of this many columns (one graph each)
+PREFILL_TOKENS = 1 << 16  # padded prompt tokens per prefill pass when slots are refilled
 
-    The stop token is not part of `tokens`. The keys and values live in one preallocated cache (nothing is
-    concatenated per step) and the new tokens stay on the device: the host looks at them every
-    `check_every` steps (to end the batch when every row has stopped, and to drop the stopped rows once
-    they are half of the batch) and reads them once at the end. A row that has stopped keeps decoding
-    until then; what follows its stop token is discarded.
+
+def generate_stream(model, prompts: list[list[int]], *, max_new_tokens: int, stop_ids: list[int], pad_id: int,
+                    slots: int, temperature: float = 0.0, generator: torch.Generator | None = None,
+                    check_every: int = 16, cuda_graphs: bool = True) -> Iterator[list[tuple[int, dict]]]:
+    """Continuous batching: generate for every prompt, `slots` rows at a time; yields lists of
+    (prompt index, {tokens, finish: "stop"|"length"}) as rows finish (not in input order).
+
+    Each slot holds one prompt's sequence; a slot whose row stopped (end-of-turn token, not part of
+    `tokens`) or reached `max_new_tokens` is given the next prompt, so the batch stays full until the
+    prompts run out. The host looks at the device every `check_every` steps (which rows finished) and
+    then prefills the next prompts into the free slots; the tokens stay on the device until a row is
+    read. On CUDA (`cuda_graphs`), a decoding step is replayed as a CUDA graph: eagerly a small target
+    is bound by the host's kernel launches, not by the GPU. `prompts` must not be empty.
     """
-    with _GroupedDecode(model):
-        return _generate(model, prompts, max_new_tokens=max_new_tokens, stop_ids=stop_ids, pad_id=pad_id,
-                         temperature=temperature, generator=generator, check_every=check_every)
+    decoder = _SlotDecoder(model, slots=min(slots, len(prompts)), capacity=max(len(p) for p in prompts) + max_new_tokens,
+                           max_new_tokens=max_new_tokens, stop_ids=stop_ids, pad_id=pad_id, temperature=temperature,
+                           generator=generator, cuda_graphs=cuda_graphs)
+    yield from decoder.run(prompts, check_every)
 
 
-@torch.inference_mode()
-def _generate(model, prompts: list[list[int]], *, max_new_tokens: int, stop_ids: list[int], pad_id: int,
-              temperature: float, generator: torch.Generator | None, check_every: int) -> list[dict]:
-    """The loop of generate_batch (its docstring says what it does)."""
-    param = next(model.parameters())
-    device = param.device
-    num_rows, width = len(prompts), max(len(p) for p in prompts)
-    capacity = width + max_new_tokens
-    input_ids = torch.full((num_rows, width), pad_id, dtype=torch.long)  # [B, W]
-    valid = torch.zeros((num_rows, capacity), dtype=torch.bool)  # [B, W + N]: keys each row may attend to
-    for r, p in enumerate(prompts):
-        input_ids[r, width - len(p):] = torch.tensor(p, dtype=torch.long)
-        valid[r, width - len(p):width] = True
-    input_ids, valid = input_ids.to(device), valid.to(device)
-    positions = (valid[:, :width].long().cumsum(-1) - 1).clamp(min=0)  # [B, W]; left padding shifts positions
-    eager = getattr(model.config, "_attn_implementation", "sdpa") == "eager"
+def generate_batch(model, prompts: list[list[int]], *, max_new_tokens: int, stop_ids: list[int], pad_id: int,
+                   temperature: float = 0.0, generator: torch.Generator | None = None, check_every: int = 16,
+                   cuda_graphs: bool = True) -> list[dict]:
+    """All prompts in one batch (one slot each: none is refilled; eagerly, finished rows are dropped from
+    the batch once they are half of it); returns [{tokens, finish}] in input order."""
+    out: list[dict | None] = [None] * len(prompts)
+    for finished in generate_stream(model, prompts, max_new_tokens=max_new_tokens, stop_ids=stop_ids, pad_id=pad_id,
+                                    slots=len(prompts), temperature=temperature, generator=generator,
+                                    check_every=check_every, cuda_graphs=cuda_graphs):
+        for i, res in finished:
+            out[i] = res
+    return out
 
-    def as_mask(allowed: torch.Tensor) -> torch.Tensor:  # bool [B, 1, q, k] -> what the attention takes
-        if not eager:
+
+class _SlotDecoder:
+    """The device state of generate_stream: per slot the token it feeds next, the column it writes, the
+    column its prompt starts at (prompts are left-padded within a prefill), its tokens so far and
+    whether it is done. Decoding steps change only device tensors, so the host never waits on them."""
+
+    def __init__(self, model, *, slots: int, capacity: int, max_new_tokens: int, stop_ids: list[int], pad_id: int,
+                 temperature: float, generator: torch.Generator | None, cuda_graphs: bool):
+        param = next(model.parameters())
+        dev = self.device = param.device
+        self.model, self.slots, self.capacity, self.max_new = model, slots, capacity, max_new_tokens
+        self.pad_id, self.temperature, self.generator = pad_id, temperature, generator
+        self.graphs = cuda_graphs and dev.type == "cuda"
+        self.eager_masks = getattr(model.config, "_attn_implementation", "sdpa") == "eager"
+        self.dtype = param.dtype
+        self.cache = _SlotCache(model.config, slots, capacity, param.dtype, dev)
+        self.cols = torch.arange(capacity, device=dev)
+        self.stop = torch.tensor(stop_ids, dtype=torch.long, device=dev)
+        long = dict(dtype=torch.long, device=dev)
+        self.tok = torch.zeros(slots, **long)  # the token each row feeds next
+        self.col = torch.zeros(slots, **long)  # the column it is written at
+        self.start = torch.zeros(slots, **long)  # the column its prompt starts at
+        self.out = torch.zeros(slots, max_new_tokens, **long)  # outputs of the row's current prompt
+        self.produced = torch.zeros(slots, **long)  # outputs so far, the stop token included
+        self.stopped = torch.zeros(slots, dtype=torch.bool, device=dev)
+        self.done = torch.ones(slots, dtype=torch.bool, device=dev)  # finished, or never filled
+        head = model.get_output_embeddings()
+        vocab = head.weight.shape[0] if head is not None else model.config.vocab_size
+        self.logits = torch.zeros(slots, vocab, dtype=torch.float32, device=dev)  # the last step's, per row
+        self.steps: dict[int, object] = {}  # width -> captured graph
+        self.pool = None
+
+    def _mask(self, allowed: torch.Tensor) -> torch.Tensor:  # bool [B, 1, q, k] -> what the attention takes
+        if not self.eager_masks:
             return allowed
-        return torch.zeros(allowed.shape, dtype=param.dtype, device=device).masked_fill(~allowed, torch.finfo(param.dtype).min)
+        return torch.zeros(allowed.shape, dtype=self.dtype, device=self.device).masked_fill(
+            ~allowed, torch.finfo(self.dtype).min)
 
-    # prefill: causal over real keys; a padding query attends to itself only (a row of no keys gives NaN)
-    causal = torch.ones(width, width, dtype=torch.bool, device=device).tril()
-    allowed = (causal[None] & valid[:, None, :width]) | torch.eye(width, dtype=torch.bool, device=device)[None]
-    cache = _BatchCache(model.config, num_rows, capacity, param.dtype, device)
-    logits = model(input_ids=input_ids, attention_mask=as_mask(allowed[:, None]), position_ids=positions,
-                   past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1]  # [B, V]
-    cache.advance(width)
-    next_pos = positions[:, -1] + 1  # [b]
-    rows = torch.arange(num_rows, device=device)  # original row of each live row
-    new = torch.zeros((num_rows, max_new_tokens), dtype=torch.long, device=device)  # [B, N] by original row
-    stopped_at = torch.full((num_rows,), max_new_tokens, dtype=torch.long, device=device)  # first stop step
-    stop = torch.tensor(stop_ids, dtype=torch.long, device=device)
-    for step in range(max_new_tokens):
-        if temperature > 0:
-            probs = torch.softmax(logits.float() / temperature, dim=-1)
-            # sampled where the generator lives: a CPU generator on a GPU model costs a [b, V] copy per step
-            where = generator.device if generator is not None else device
-            tok = torch.multinomial(probs.to(where), 1, generator=generator).squeeze(1).to(device)  # [b]
+    # -- passes
+    def _forward(self, width: int) -> None:
+        """One decoding step of every row over the first `width` columns, logits into self.logits."""
+        self.cache.fill_rows, self.cache.write_at, self.cache.width = None, self.col, width
+        cols = self.cols[:width]
+        allowed = (cols[None, :] >= self.start[:, None]) & (cols[None, :] <= self.col[:, None])  # [B, W]
+        logits = self.model(input_ids=self.tok[:, None], position_ids=(self.col - self.start)[:, None],
+                            attention_mask=self._mask(allowed[:, None, None]), past_key_values=self.cache,
+                            use_cache=True).logits[:, -1]
+        self.logits.copy_(logits)
+
+    def _take(self, rows: torch.Tensor) -> None:
+        """Record the next output of `rows` (bool [B]) from self.logits; a row ends at a stop token or at
+        max_new_tokens outputs; the others feed it next."""
+        if self.temperature > 0:
+            probs = torch.softmax(self.logits.float() / self.temperature, dim=-1)
+            # sampled where the generator lives: a CPU generator on a GPU model costs a [B, V] copy per step
+            where = self.generator.device if self.generator is not None else self.device
+            nxt = torch.multinomial(probs.to(where), 1, generator=self.generator).squeeze(1).to(self.device)
         else:
-            tok = logits.argmax(-1)  # [b]
-        new[rows, step] = tok
-        first_stop = torch.isin(tok, stop) & (stopped_at[rows] == max_new_tokens)
-        stopped_at[rows] = torch.where(first_stop, step, stopped_at[rows])
-        if step == max_new_tokens - 1:
-            break
-        if (step + 1) % check_every == 0:  # the only host reads inside the loop
-            live = stopped_at[rows] == max_new_tokens  # [b]
-            num_live = int(live.sum())
-            if num_live == 0:
-                break
-            if num_live <= len(rows) // 2:
-                keep = live.nonzero().squeeze(1)  # [b']
-                cache.select(keep)
-                rows, tok, valid, next_pos = rows[keep], tok[keep], valid[keep], next_pos[keep]
-        valid[:, width + step] = True
-        logits = model(input_ids=tok[:, None], attention_mask=as_mask(valid[:, None, None, :width + step + 1]),
-                       position_ids=next_pos[:, None], past_key_values=cache, use_cache=True).logits[:, -1]
-        cache.advance(1)
-        next_pos = next_pos + 1
-    tokens, stops = new.tolist(), stopped_at.tolist()
-    return [{"tokens": row[:end], "finish": "stop" if end < max_new_tokens else "length"}
-            for row, end in zip(tokens, stops)]
+            nxt = self.logits.argmax(-1)  # [B]
+        is_stop = torch.isin(nxt, self.stop) & rows
+        at = self.produced.clamp(max=self.max_new - 1)
+        self.out[self.cache.rows, at] = torch.where(rows & ~is_stop, nxt, self.out[self.cache.rows, at])
+        self.produced += rows
+        self.stopped |= is_stop
+        self.done |= rows & (is_stop | (self.produced >= self.max_new))
+        self.tok.copy_(torch.where(rows, nxt, self.tok))
+
+    def _step(self, width: int) -> None:
+        if not self.graphs:
+            self._forward(width)
+        else:
+            if width not in self.steps:
+                from eyas.common import capture_cuda_graph
+
+                if self.pool is None:
+                    self.pool = torch.cuda.graph_pool_handle()
+                self.steps[width] = capture_cuda_graph(
+                    lambda: self._forward(width), self.device, f"a regeneration step ({width} columns)",
+                    "Regenerate eagerly instead with --set data.regen_cuda_graphs=false", pool=self.pool)
+            self.steps[width].replay()
+        live = ~self.done
+        self._take(live)
+        self.col += live & ~self.done  # rows still running write their next entry one column on
+
+    def _prefill(self, slot_ids: list[int], prompts: list[list[int]]) -> None:
+        """Left-pad `prompts` to one width, write them into the caches of `slot_ids`, take their first outputs."""
+        width, dev = max(len(p) for p in prompts), self.device
+        ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)
+        starts = torch.tensor([width - len(p) for p in prompts], dtype=torch.long)
+        for r, p in enumerate(prompts):
+            ids[r, width - len(p):] = torch.tensor(p, dtype=torch.long)
+        rows, ids, starts = torch.tensor(slot_ids, device=dev), ids.to(dev), starts.to(dev)
+        cols = self.cols[:width]
+        # causal over the prompt's own columns; a padding query attends to itself only (no keys gives NaN)
+        allowed = ((cols[None, None, :] <= cols[None, :, None]) & (cols[None, None, :] >= starts[:, None, None])) \
+            | torch.eye(width, dtype=torch.bool, device=dev)[None]  # [r, W, W]
+        self.cache.fill_rows = rows
+        logits = self.model(input_ids=ids, position_ids=(cols[None, :] - starts[:, None]).clamp(min=0),
+                            attention_mask=self._mask(allowed[:, None]), past_key_values=self.cache, use_cache=True,
+                            logits_to_keep=1).logits[:, -1]
+        self.cache.fill_rows = None
+        self.logits[rows] = logits.float()
+        self.start[rows], self.col[rows] = starts, width
+        self.produced[rows], self.stopped[rows], self.done[rows] = 0, False, False
+        fresh = torch.zeros(self.slots, dtype=torch.bool, device=dev)
+        fresh[rows] = True
+        self._take(fresh)
+
+    # -- the host's loop
+    def run(self, prompts: list[list[int]], check_every: int) -> Iterator[list[tuple[int, dict]]]:
+        queue = iter(range(len(prompts)))
+        unassigned = len(prompts)
+        held: list[int | None] = [None] * self.slots  # prompt index per slot
+        last_col = [0] * self.slots  # per slot: a bound on the last column it writes (kept on the host, no reads)
+        left = [0] * self.slots  # per slot: decoding steps it may still need
+        free = list(range(self.slots))
+        while True:
+            with _GroupedDecode(self.model), torch.no_grad():
+                # eagerly a free slot costs a row of work per step, so fill it at once; with graphs every step
+                # costs the whole batch anyway and a prefill pass is the expensive part, so wait for a few
+                if free and unassigned and (not self.graphs or len(free) >= max(1, self.slots // 16)
+                                            or len(free) == self.slots):
+                    picked = [(s, next(queue)) for s in free[:unassigned]]
+                    free, unassigned = free[len(picked):], unassigned - len(picked)
+                    self._refill(sorted(picked, key=lambda e: len(prompts[e[1]])), prompts, held, last_col)
+                    for s, _ in picked:
+                        left[s] = self.max_new - 1  # the prefill gave the first output
+                if all(h is None for h in held):
+                    return
+                if not self.graphs and not unassigned and len(free) >= self.slots // 2:
+                    # eagerly a finished row still costs work every step: with no prompt left for it, drop it
+                    keep = [s for s, h in enumerate(held) if h is not None]
+                    self._compact(keep)
+                    held, last_col, left = [held[s] for s in keep], [last_col[s] for s in keep], [left[s] for s in keep]
+                    free = []
+                for _ in range(check_every):
+                    if all(n <= 0 for n, h in zip(left, held) if h is not None):
+                        break  # every row has reached max_new_tokens
+                    need = max(c for c, h in zip(last_col, held) if h is not None) + 1
+                    if self.graphs:
+                        need = -(-need // GRAPH_WIDTH_STEP) * GRAPH_WIDTH_STEP
+                    self._step(min(need, self.capacity))
+                    for s, h in enumerate(held):
+                        if h is not None:
+                            last_col[s] += 1
+                            left[s] -= 1
+                finished = [s for s, d in enumerate(self.done.tolist()) if d and held[s] is not None]
+                if finished:
+                    idx = torch.tensor(finished, device=self.device)
+                    counts = (self.produced[idx] - self.stopped[idx].long()).tolist()
+                    stops, rows = self.stopped[idx].tolist(), self.out[idx].tolist()
+            if finished:
+                yield [(held[s], {"tokens": row[:n], "finish": "stop" if st else "length"})
+                       for s, row, n, st in zip(finished, rows, counts, stops)]
+                for s in finished:
+                    held[s] = None
+                free += finished
+
+    def _compact(self, keep: list[int]) -> None:
+        """Keep only the slots `keep` (eager decoding only: a CUDA graph fixes the number of rows)."""
+        idx = torch.tensor(keep, device=self.device)
+        self.cache.kv = [(k[idx], v[idx]) for k, v in self.cache.kv]
+        self.cache.rows = torch.arange(len(keep), device=self.device)
+        for name in ("tok", "col", "start", "out", "produced", "stopped", "done", "logits"):
+            setattr(self, name, getattr(self, name)[idx])
+        self.slots = len(keep)
+
+    def _refill(self, picked: list[tuple[int, int]], prompts: list[list[int]], held: list, last_col: list) -> None:
+        """Prefill the (slot, prompt index) pairs, in passes of at most PREFILL_TOKENS padded tokens."""
+        chunk: list[tuple[int, int]] = []
+        width = 0
+        for s, i in picked + [(-1, -1)]:
+            if chunk and (s < 0 or max(width, len(prompts[i])) * (len(chunk) + 1) > PREFILL_TOKENS):
+                self._prefill([s2 for s2, _ in chunk], [prompts[j] for _, j in chunk])
+                for s2, j in chunk:
+                    held[s2], last_col[s2] = j, width  # its first decoding step writes column `width`
+                chunk, width = [], 0
+            if s >= 0:
+                chunk.append((s, i))
+                width = max(width, len(prompts[i]))
+
+
+def length_segments(lengths: list[int], max_new_tokens: int, slots: int) -> list[slice]:
+    """Split prompts sorted by length into runs decoded one after the other: every slot's cache holds
+    the longest prompt of its run plus max_new_tokens, so one long prompt must not size the caches of
+    all the short ones. A run ends where a prompt would more than double the cache of the run's first
+    prompt, once the run fills the slots at least once."""
+    segments, first = [], 0
+    for i, n in enumerate(lengths):
+        if i - first >= slots and n + max_new_tokens > 2 * (lengths[first] + max_new_tokens):
+            segments.append(slice(first, i))
+            first = i
+    if lengths:
+        segments.append(slice(first, len(lengths)))
+    return segments
 
 
 def regenerate_local(target, prompts: list[dict], out_path: str | Path, *, template, max_new_tokens: int,
                      temperature: float = 0.0, batch_size: int = 16, seed: int = 0, threads: int = 0,
-                     on_batch: Callable[[int], None] | None = None) -> dict[str, dict]:
+                     cuda_graphs: bool = True, on_batch: Callable[[int], None] | None = None) -> dict[str, dict]:
     """Generate a response for each {id, messages} prompt not yet in `out_path`; returns all results.
 
-    `template` is a ChatTemplate (its prompt_ids() is the exact inference prompt).
+    `template` is a ChatTemplate (its prompt_ids() is the exact inference prompt). `batch_size` rows
+    decode at once (generate_stream's slots); results are appended as rows finish.
     """
     done = read_results(out_path)
     todo = pending(prompts, done)
@@ -303,7 +463,7 @@ def regenerate_local(target, prompts: list[dict], out_path: str | Path, *, templ
     tok = target.tokenizer
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else template.stop_ids[0]
     encoded = [(p, template.prompt_ids(p["messages"])) for p in todo]
-    encoded.sort(key=lambda e: len(e[1]))  # similar lengths share a batch: little padding
+    encoded.sort(key=lambda e: len(e[1]))  # similar lengths share a prefill pass: little padding
     generator = torch.Generator(device=next(target.model.parameters()).device).manual_seed(seed)
     saved_threads = torch.get_num_threads()
     if threads > 0:
@@ -312,25 +472,25 @@ def regenerate_local(target, prompts: list[dict], out_path: str | Path, *, templ
     num_tokens, t0 = 0, time.perf_counter()
     bar = progress(total=len(prompts), initial=len(prompts) - len(todo), desc="regenerate", unit="sample")
     try:
-        for start in range(0, len(encoded), batch_size):
-            chunk = encoded[start:start + batch_size]
-            results = generate_batch(target.model, [ids for _, ids in chunk], max_new_tokens=max_new_tokens,
-                                     stop_ids=template.stop_ids, pad_id=pad_id, temperature=temperature,
-                                     generator=generator)
-            records = []
-            for (p, ids), res in zip(chunk, results):
-                text = tok.decode(res["tokens"], skip_special_tokens=True)
-                records.append({"id": p["id"], "prompt_sha": prompt_sha(p["messages"]), "response": text,
-                                "num_prompt_tokens": len(ids),
-                                "num_tokens": len(res["tokens"]), "finish": res["finish"]})
-                num_tokens += len(res["tokens"])
-            sink.append(records)
-            done.update({r["id"]: r for r in records})
-            elapsed = time.perf_counter() - t0
-            bar.update(len(chunk))
-            bar.set_postfix_str(f"{num_tokens / elapsed:.1f} tok/s")
-            if on_batch is not None:
-                on_batch(len(done))
+        for segment in length_segments([len(ids) for _, ids in encoded], max_new_tokens, batch_size):
+            part = encoded[segment]
+            for finished in generate_stream(target.model, [ids for _, ids in part], max_new_tokens=max_new_tokens,
+                                            stop_ids=template.stop_ids, pad_id=pad_id, slots=batch_size,
+                                            temperature=temperature, generator=generator, cuda_graphs=cuda_graphs):
+                records = []
+                for i, res in finished:
+                    p, ids = part[i]
+                    records.append({"id": p["id"], "prompt_sha": prompt_sha(p["messages"]),
+                                    "response": tok.decode(res["tokens"], skip_special_tokens=True),
+                                    "num_prompt_tokens": len(ids), "num_tokens": len(res["tokens"]),
+                                    "finish": res["finish"]})
+                    num_tokens += len(res["tokens"])
+                sink.append(records)
+                done.update({r["id"]: r for r in records})
+                bar.update(len(records))
+                bar.set_postfix_str(f"{num_tokens / (time.perf_counter() - t0):.1f} tok/s")
+                if on_batch is not None:
+                    on_batch(len(done))
     finally:
         bar.close()
         sink.close()

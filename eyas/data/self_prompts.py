@@ -72,7 +72,8 @@ def _tally(records: list[dict], num_prompts: int) -> tuple[list[dict], dict]:
 
 
 def write_self_prompts(target, template, num_prompts: int, out_path: str | Path, *, temperature: float,
-                       max_new_tokens: int, batch_size: int, seed: int = 0) -> tuple[list[dict], dict]:
+                       max_new_tokens: int, batch_size: int, seed: int = 0,
+                       cuda_graphs: bool = True) -> tuple[list[dict], dict]:
     """Have the target write `num_prompts` distinct user requests -> ([{id, prompt}], summary)."""
     opening = user_turn_opening(template)
     tok = target.tokenizer
@@ -92,7 +93,7 @@ def write_self_prompts(target, template, num_prompts: int, out_path: str | Path,
                 generator = torch.Generator(device=device).manual_seed(seed * 1_000_003 + start)
                 results = generate_batch(target.model, [opening] * rows, max_new_tokens=max_new_tokens,
                                          stop_ids=template.stop_ids, pad_id=pad_id, temperature=temperature,
-                                         generator=generator)
+                                         generator=generator, cuda_graphs=cuda_graphs)
                 batch = [{"id": f"self-{start + i:07d}", "prompt": tok.decode(r["tokens"], skip_special_tokens=True),
                           "finish": r["finish"], "num_tokens": len(r["tokens"])} for i, r in enumerate(results)]
                 sink.append(batch)

@@ -41,7 +41,7 @@ import time
 
 import torch
 
-from eyas.common import EyasError
+from eyas.common import capture_cuda_graph
 from eyas.draft.cache import DraftCache
 from eyas.spec.target import KVCache, TargetRunner, cache_geometry
 
@@ -116,23 +116,9 @@ class _Step:
 
     def __init__(self, fn, device: torch.device, graphs: bool, name: str):
         self.fn, self.graph = fn, None
-        if not graphs:
-            return
-        side = torch.cuda.Stream(device)
-        side.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(side):
-            for _ in range(2):  # lazy initialisation (cuBLAS workspaces, kernels) must happen outside capture
-                fn()
-        torch.cuda.current_stream(device).wait_stream(side)
-        self.graph = torch.cuda.CUDAGraph()
-        try:
-            with torch.cuda.graph(self.graph):
-                fn()
-        except RuntimeError as e:  # torch.AcceleratorError is one; the CUDA context may be unusable after it
-            raise EyasError(
-                f"capturing the {name} pass as a CUDA graph failed ({str(e).splitlines()[0]}); this is a bug in "
-                f"eyas (an operation in the pass waits for the host). Decode eagerly instead with `eyas eval "
-                f"--no-cuda-graphs` (or --set eval.cuda_graphs=false) and report the error") from e
+        if graphs:
+            self.graph = capture_cuda_graph(fn, device, f"the {name} pass", "Decode eagerly instead with `eyas eval "
+                                            "--no-cuda-graphs` (or --set eval.cuda_graphs=false)")
 
     def __call__(self) -> None:
         if self.graph is None:

@@ -13,7 +13,8 @@ import torch
 from torch.testing import assert_close
 
 from eyas.data.endpoint import regenerate_endpoint
-from eyas.data.regenerate import generate_batch, grouped_decode_sdpa, read_results, regenerate_local
+from eyas.data.regenerate import (generate_batch, generate_stream, grouped_decode_sdpa, length_segments, read_results,
+                                  regenerate_local)
 from eyas.data.template import ChatTemplate, stop_token_ids
 
 PROMPTS = [{"id": f"p{i:02d}", "messages": [{"role": "user", "content": "word " * (i % 7) + f"number {i}"}]}
@@ -115,6 +116,63 @@ def test_rows_stopping_at_different_steps_match_plain_generate_through_compactio
         cut = ref.index(stop) if stop in ref else None
         assert res == {"tokens": ref if cut is None else ref[:cut], "finish": "length" if cut is None else "stop"}
     assert [r["finish"] for r in out] == ["stop"] * 4 + ["length"] * 2
+
+
+def _stop_token_ending_some_rows_early(model, pool, pad_id):
+    """A token that some prompts' greedy answers say early (not first) and others never say."""
+    free = [r["tokens"] for r in generate_batch(model, pool, max_new_tokens=16, stop_ids=[999999], pad_id=pad_id)]
+    for x in sorted({t for f in free for t in f}):
+        early = [i for i, f in enumerate(free) if x in f[1:6] and x != f[0]]
+        never = [i for i, f in enumerate(free) if x not in f]
+        if len(early) >= 4 and len(never) >= 3:
+            return x
+    raise AssertionError("the tiny model's outputs offer no usable stop token")
+
+
+def test_continuous_batching_refills_finished_slots_and_matches_plain_generate(tiny_target):
+    """More prompts than slots, of different lengths, rows ending at different steps: a finished slot is
+    given the next prompt (prefilled beside rows still decoding), and every answer is still plain greedy
+    decoding of its own prompt, cut at its first stop token."""
+    model, tok = tiny_target.model, tiny_target.tokenizer
+    ct = ChatTemplate(tok)
+    pool = [ct.prompt_ids(p["messages"]) for p in PROMPTS[:14]]
+    assert len({len(p) for p in pool}) > 3
+    stop = _stop_token_ending_some_rows_early(model, pool, tok.pad_token_id)
+    calls = []  # (rows, tokens per row) of every forward
+    hook = model.model.embed_tokens.register_forward_hook(lambda m, args, out: calls.append(tuple(args[0].shape)))
+    got = {}
+    try:
+        for finished in generate_stream(model, pool, max_new_tokens=16, stop_ids=[stop], pad_id=tok.pad_token_id,
+                                        slots=3, check_every=2):
+            for i, res in finished:
+                assert i not in got
+                got[i] = res
+    finally:
+        hook.remove()
+    assert sorted(got) == list(range(len(pool)))
+    assert max(rows for rows, _ in calls) <= 3
+    prefills = [c for c in calls if c[1] > 1]
+    decoding = [c for c in calls if c[1] == 1]
+    assert len(prefills) >= 5 and any(rows < 3 for rows, _ in prefills)  # slots were refilled a few at a time
+    assert sum(rows for rows, _ in prefills) == len(pool)  # each prompt prefilled once
+    steps = [len(r["tokens"]) + (r["finish"] == "stop") - 1 for _, r in sorted(got.items())]  # after the prefill
+    in_batches = sum(max(steps[b:b + 3]) for b in range(0, len(pool), 3))  # batches of 3, each to its longest row
+    assert len(decoding) < in_batches
+    for i, p in enumerate(pool):
+        ref = model.generate(torch.tensor([p]), max_new_tokens=16, do_sample=False, eos_token_id=[stop],
+                             pad_token_id=tok.pad_token_id)[0, len(p):].tolist()
+        cut = ref.index(stop) if stop in ref else None
+        assert got[i] == {"tokens": ref if cut is None else ref[:cut], "finish": "length" if cut is None else "stop"}, i
+    assert {r["finish"] for r in got.values()} == {"stop", "length"}
+
+
+def test_long_prompts_get_their_own_run_so_short_ones_keep_small_caches():
+    lengths = [10] * 5 + [40] * 3 + [2000] * 2
+    # a run ends only once it has filled the slots (4) and the next prompt would more than double its caches
+    assert length_segments(lengths, 100, 4) == [slice(0, 8), slice(8, 10)]
+    assert length_segments(lengths, 100, 16) == [slice(0, 10)]  # too few prompts to split
+    assert length_segments([5, 6, 7], 512, 1) == [slice(0, 3)]
+    assert length_segments([], 16, 4) == []
 
 
 CHILD = """
