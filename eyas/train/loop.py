@@ -144,6 +144,10 @@ def _train(cfg, tc, run_dir: Path, source: TrainSource, resume: bool, info: dist
     if attention == "flex" and info.device.type != "cuda":
         print0(f"train.attention=flex needs CUDA (its backward has no CPU kernel); using dense on {info.device}")
         attention = "dense"
+    if attention == "flex" and draft.cfg.head_dim < 16:
+        print0(f"train.attention=flex needs a head_dim of at least 16 (FlexAttention's CUDA kernel); the draft's is "
+               f"{draft.cfg.head_dim}: using dense")
+        attention = "dense"
     model = dist.wrap(TTTModule(draft, tc.ttt, tc.loss_decay, tc.features, attention=attention,
                                 compile=compile_step, batch_tokens=tc.batch_tokens), info, tc.fsdp)
     params = [p for p in model.parameters() if p.requires_grad]

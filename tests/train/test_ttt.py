@@ -9,8 +9,8 @@ from eyas.train.ttt import shift_left, simulated_tau, ttt_forward
 H, V, VD, A = 32, 64, 48, 3
 
 
-def make_draft(seed=0) -> Eagle3Draft:
-    hf = dict(hidden_size=H, num_attention_heads=4, num_key_value_heads=2, head_dim=8, intermediate_size=48,
+def make_draft(seed=0, head_dim=8) -> Eagle3Draft:
+    hf = dict(hidden_size=H, num_attention_heads=4, num_key_value_heads=2, head_dim=head_dim, intermediate_size=48,
               vocab_size=V, rms_norm_eps=1e-5, max_position_embeddings=256,
               rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
     torch.manual_seed(seed)
