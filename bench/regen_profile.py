@@ -4,7 +4,8 @@
                                   [--variant matmul]
 
 Decodes one batch of built-in corpus prompts (cut to --prompt-tokens so every row is busy) with
-eyas.data.regenerate.generate_batch, first untimed (warm-up), then under the profiler. Prints the
+eyas.data.regenerate.generate_batch, eagerly (the step as it runs without CUDA graphs; bench/regen.py
+times regeneration as eyas runs it), first untimed (warm-up), then under the profiler. Prints the
 wall time per step, the device time per step, and the operators that take the most device and host
 time. On a GPU, host time per step well above device time per step means the loop is bound by
 Python and launches; the reverse names the kernels to fix. SmolLM2 in bf16 on CUDA (fp32 on a CPU).
@@ -92,7 +93,8 @@ def main() -> None:
         if cuda:
             torch.cuda.synchronize()
         t0 = time.perf_counter()
-        out = generate_batch(target.model, prompts, max_new_tokens=args.new_tokens, stop_ids=never, pad_id=0)
+        out = generate_batch(target.model, prompts, max_new_tokens=args.new_tokens, stop_ids=never, pad_id=0,
+                             cuda_graphs=False)
         if cuda:
             torch.cuda.synchronize()
         if keep is not None:
@@ -135,7 +137,13 @@ def main() -> None:
         run()
     events = prof.key_averages()
     dev_key = "self_device_time_total" if cuda else "self_cpu_time_total"
-    dev_total = sum(getattr(e, dev_key) for e in events) / 1000  # ms
+    if cuda:  # the kernels only: an operator's row repeats the time of the kernels it launched
+        from torch.autograd import DeviceType
+
+        dev_total = sum(e.self_device_time_total for e in events
+                        if e.device_type == DeviceType.CUDA and not e.is_user_annotation) / 1000  # ms
+    else:
+        dev_total = sum(e.self_cpu_time_total for e in events) / 1000
     print(events.table(sort_by=dev_key, row_limit=14, max_name_column_width=60))
     if cuda:
         print(events.table(sort_by="self_cpu_time_total", row_limit=10, max_name_column_width=60))

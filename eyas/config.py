@@ -291,7 +291,8 @@ def full() -> RunConfig:
     return RunConfig(
         name="full",
         target=TargetConfig(spec="smollm2"),
-        # regeneration is one forward per new token for the whole batch: wide batches amortise the host.
+        # regeneration decodes 512 slots at once, each refilled as its row ends, one CUDA graph per step:
+        # 48k new tokens/s on an H200 (docs/PERFORMANCE.md, eighth session).
         # A draft trained on 6,000 corpus prompts (made from Python docstrings) reached 0.49 first-token
         # acceptance on its training prompts and 0.25 on MT-bench: 4,500 of the prompts are now chat
         # requests the target writes itself (data.self_prompts), 1,500 come from the corpus
@@ -308,7 +309,8 @@ def full() -> RunConfig:
                           save_every=1000, attention="flex", compile=True, val_samples=120, val_every=100),
         # greedy chains, the tree and plain decoding replay CUDA graphs (one device read per cycle). Tree 12,3,36:
         # wider and shallower than 8,4,24, it accepted more on the CPU (tau 1.78 against 1.71, 8 MT-bench turns) and
-        # on the H200 cost less per cycle for more tokens (1.39x against 1.32x end to end, 3 turns). Depth does not
+        # on the H200 cost less per cycle for more tokens (1.39x against 1.32x end to end, 3 turns; over the full
+        # eval 1.24x on MT-bench and 1.19x on HumanEval, against 8,4,24's 1.16x and 1.06x). Depth does not
         # pay: a depth-6 tree (8,6,40) accepted at its depths 5 and 6 in 0.1 % of cycles (docs/PERFORMANCE.md,
         # "Trees against chains" and "Seventh session")
         eval=EvalConfig(benches=["mt-bench", "humaneval"], steps=[3, 5, 7], tree="12,3,36", max_new_tokens=256,
