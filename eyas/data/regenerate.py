@@ -230,8 +230,10 @@ def generate_stream(model, prompts: list[list[int]], *, max_new_tokens: int, sto
     prompts run out. The host looks at the device every `check_every` steps (which rows finished) and
     then prefills the next prompts into the free slots; the tokens stay on the device until a row is
     read. On CUDA (`cuda_graphs`), a decoding step is replayed as a CUDA graph: eagerly a small target
-    is bound by the host's kernel launches, not by the GPU. `prompts` must not be empty.
+    is bound by the host's kernel launches, not by the GPU.
     """
+    if not prompts:
+        return
     decoder = _SlotDecoder(model, slots=min(slots, len(prompts)), capacity=max(len(p) for p in prompts) + max_new_tokens,
                            max_new_tokens=max_new_tokens, stop_ids=stop_ids, pad_id=pad_id, temperature=temperature,
                            generator=generator, cuda_graphs=cuda_graphs)
@@ -371,8 +373,9 @@ class _SlotDecoder:
             with _GroupedDecode(self.model), torch.no_grad():
                 # eagerly a free slot costs a row of work per step, so fill it at once; with graphs every step
                 # costs the whole batch anyway and a prefill pass is the expensive part, so wait for a few
-                if free and unassigned and (not self.graphs or len(free) >= max(1, self.slots // 16)
-                                            or len(free) == self.slots):
+                # (a sixteenth of the slots, or as many as prompts are left)
+                wanted = 1 if not self.graphs else min(unassigned, max(1, self.slots // 16))
+                if free and unassigned and len(free) >= wanted:
                     picked = [(s, next(queue)) for s in free[:unassigned]]
                     free, unassigned = free[len(picked):], unassigned - len(picked)
                     self._refill(sorted(picked, key=lambda e: len(prompts[e[1]])), prompts, held, last_col)
@@ -380,7 +383,7 @@ class _SlotDecoder:
                         left[s] = self.max_new - 1  # the prefill gave the first output
                 if all(h is None for h in held):
                     return
-                if not self.graphs and not unassigned and len(free) >= self.slots // 2:
+                if not self.graphs and not unassigned and free and len(free) >= self.slots // 2:
                     # eagerly a finished row still costs work every step: with no prompt left for it, drop it
                     keep = [s for s, h in enumerate(held) if h is not None]
                     self._compact(keep)

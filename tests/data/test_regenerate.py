@@ -164,6 +164,7 @@ def test_continuous_batching_refills_finished_slots_and_matches_plain_generate(t
         cut = ref.index(stop) if stop in ref else None
         assert got[i] == {"tokens": ref if cut is None else ref[:cut], "finish": "length" if cut is None else "stop"}, i
     assert {r["finish"] for r in got.values()} == {"stop", "length"}
+    assert list(generate_stream(model, [], max_new_tokens=4, stop_ids=[stop], pad_id=0, slots=3)) == []
 
 
 def test_long_prompts_get_their_own_run_so_short_ones_keep_small_caches():
