@@ -13,6 +13,10 @@ not explain (host work, launch gaps, reads).
 
 SmolLM2 in bf16 on CUDA. `--cpu` runs the same passes eagerly in fp32 (a check of the script, not a
 measurement).
+
+`--profile` then runs the plain step and the first setting's verify pass eagerly under torch.profiler
+(the same kernels a graph replays, without the launch gaps) and prints, per operator, the kernel time of
+one pass of each side by side: what makes a verify pass dearer than a plain step.
 """
 
 from __future__ import annotations
@@ -49,6 +53,45 @@ def timed(step, reset, repeats: int, cuda: bool) -> float:
     return statistics.median(times)
 
 
+def kernel_times(fn, reset, calls: int, cuda: bool) -> dict[str, float]:
+    """Microseconds of kernel time per call of `fn` by operator (CPU time on a CPU), `reset` before each call
+    (its own few kernels are counted too)."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(2):
+        reset()
+        fn()
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=acts) as prof:
+        for _ in range(calls):
+            reset()
+            fn()
+        if cuda:
+            torch.cuda.synchronize()
+    out = {}
+    for e in prof.key_averages():
+        if e.device_type != DeviceType.CPU or not e.key.startswith("aten::"):
+            continue
+        us = e.self_device_time_total if cuda else e.self_cpu_time_total
+        if us > 0:
+            out[e.key] = us / calls
+    return out
+
+
+def print_profile(plain: dict[str, float], verify: dict[str, float], name: str, rows: int = 16) -> None:
+    print(f"\nkernel time per pass by operator (eager, {'GPU' if torch.cuda.is_available() else 'CPU'} microseconds): "
+          f"plain step against {name} verify")
+    print(f"| operator | plain step | {name} verify | difference |")
+    print("|---|---|---|---|")
+    keys = sorted(set(plain) | set(verify), key=lambda k: -(verify.get(k, 0) - plain.get(k, 0)))
+    for k in keys[:rows]:
+        a, b = plain.get(k, 0.0), verify.get(k, 0.0)
+        print(f"| {k} | {a:.1f} | {b:.1f} | {b - a:+.1f} |")
+    a, b = sum(plain.values()), sum(verify.values())
+    print(f"| all operators | {a:.1f} | {b:.1f} | {b - a:+.1f} ({b / a:.2f}x) |")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--draft", required=True, help="a training run dir, step dir or export dir")
@@ -58,6 +101,8 @@ def main() -> None:
     p.add_argument("--new-tokens", type=int, default=256)
     p.add_argument("--repeats", type=int, default=50)
     p.add_argument("--cpu", action="store_true", help="eager fp32 on the CPU: checks the script only")
+    p.add_argument("--profile", action="store_true",
+                   help="also profile the plain step and the first setting's verify pass by operator")
     args = p.parse_args()
     cuda = not args.cpu
     if cuda and not torch.cuda.is_available():
@@ -74,6 +119,7 @@ def main() -> None:
                for q in mtbench_questions()[:args.prompts]]
     rows = []
     plain_ms, plain_cycle = [], []
+    profiles = {}
     for ids in prompts:
         res = engine.plain_generate(ids, args.new_tokens, eos_token_ids=eos)
         plain_cycle.append(1000 * res.total_s / max(1, len(res.tokens)))
@@ -85,6 +131,8 @@ def main() -> None:
             dec.n.fill_(n0 - 1)
 
         plain_ms.append(timed(b["step"], reset, args.repeats, cuda))
+        if args.profile and "plain" not in profiles:
+            profiles["plain"] = kernel_times(b["step"].fn, reset, 10, cuda)
     plain = statistics.median(plain_ms)
     rows.append(("plain step", plain, 1.0, statistics.median(plain_cycle), None))
     settings = settings_of([int(k) for k in args.steps.split(",") if k.strip()], None)  # eval's names
@@ -112,6 +160,8 @@ def main() -> None:
             try:
                 for phase in (draft_phase, "verify", "rebuild"):
                     per[phase].append(timed(b[phase], reset, args.repeats, cuda))
+                if args.profile and "verify" not in profiles:
+                    profiles["verify"] = (name, kernel_times(b["verify"].fn, reset, 10, cuda))
             finally:
                 engine.runner.detach()
         med = {key: statistics.median(v) for key, v in per.items()}
@@ -127,6 +177,8 @@ def main() -> None:
     for name, ms, ratio, measured, tau in rows:
         print(f"| {name} | {ms:.3f} | {ratio:.2f} | {'' if measured is None else f'{measured:.3f}'} | "
               f"{'' if tau is None else f'{tau:.2f}'} |")
+    if "verify" in profiles:
+        print_profile(profiles["plain"], profiles["verify"][1], profiles["verify"][0])
 
 
 if __name__ == "__main__":
