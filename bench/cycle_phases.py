@@ -14,6 +14,11 @@ not explain (host work, launch gaps, reads).
 SmolLM2 in bf16 on CUDA. `--cpu` runs the same passes eagerly in fp32 (a check of the script, not a
 measurement).
 
+Each pass is captured once per attended width (eyas/spec/graphs.py); the phases are timed at the width the
+decoding used at its end and, in the column beside, at the decoder's whole capacity (what every pass
+attended over before widths existed). `--width-step` sets the engine's width step (default the engine's),
+e.g. to the capacity (1024) to run the whole comparison, end to end included, as it was.
+
 `--profile` then runs the plain step and the first setting's verify pass eagerly under torch.profiler
 (the same kernels a graph replays, without the launch gaps) and prints, per operator, the kernel time of
 one pass of each side by side: what makes a verify pass dearer than a plain step.
@@ -28,6 +33,7 @@ import time
 import torch
 
 from eyas.commands.eval import build_engine
+from eyas.spec import graphs
 from eyas.data.benchmarks import mtbench_questions
 from eyas.spec.bench import encode_turn, settings_of
 from eyas.target import load_target
@@ -101,10 +107,14 @@ def main() -> None:
     p.add_argument("--new-tokens", type=int, default=256)
     p.add_argument("--repeats", type=int, default=50)
     p.add_argument("--cpu", action="store_true", help="eager fp32 on the CPU: checks the script only")
+    p.add_argument("--width-step", type=int, default=None,
+                   help="attended widths in steps of this many cache slots (default: eyas.spec.graphs.WIDTH_STEP)")
     p.add_argument("--profile", action="store_true",
                    help="also profile the plain step and the first setting's verify pass by operator")
     args = p.parse_args()
     cuda = not args.cpu
+    if args.width_step:
+        graphs.WIDTH_STEP = args.width_step
     if cuda and not torch.cuda.is_available():
         raise SystemExit("needs a CUDA GPU (the phases are CUDA graphs); --cpu checks the script")
     target = load_target("smollm2", device="cuda" if cuda else "cpu", dtype="bf16" if cuda else "fp32")
@@ -118,7 +128,7 @@ def main() -> None:
     prompts = [encode_turn(tok, [{"role": "user", "content": q["turns"][0]}])
                for q in mtbench_questions()[:args.prompts]]
     rows = []
-    plain_ms, plain_cycle = [], []
+    plain_ms, plain_full, plain_cycle = [], [], []
     profiles = {}
     for ids in prompts:
         res = engine.plain_generate(ids, args.new_tokens, eos_token_ids=eos)
@@ -130,16 +140,20 @@ def main() -> None:
         def reset(n0=n0):
             dec.n.fill_(n0 - 1)
 
-        plain_ms.append(timed(b["step"], reset, args.repeats, cuda))
+        step = dec._at(b, n0)["step"]  # the width the step writing slot n0 - 1 uses
+        plain_ms.append(timed(step, reset, args.repeats, cuda))
+        plain_full.append(timed(dec._at(b, dec.capacity)["step"], reset, args.repeats, cuda))
         if args.profile and "plain" not in profiles:
-            profiles["plain"] = kernel_times(b["step"].fn, reset, 10, cuda)
+            dec._at(b, n0)  # eager passes read the width when they run
+            profiles["plain"] = kernel_times(step.fn, reset, 10, cuda)
     plain = statistics.median(plain_ms)
-    rows.append(("plain step", plain, 1.0, statistics.median(plain_cycle), None))
+    rows.append(("plain step", plain, 1.0, statistics.median(plain_full), statistics.median(plain_cycle), None))
     settings = settings_of([int(k) for k in args.steps.split(",") if k.strip()], None)  # eval's names
     settings += [s for t in args.trees.split(";") if t.strip() for s in settings_of([], t.strip())]
     for name, setting in settings:
         draft_phase = "chain" if "steps" in setting else "tree"
         per = {draft_phase: [], "verify": [], "rebuild": [], "cycle": [], "tau": []}
+        full = {draft_phase: [], "verify": [], "rebuild": []}
         for ids in prompts:
             res = engine.generate(ids, args.new_tokens, eos_token_ids=eos, **setting)
             per["cycle"].append(1000 * res.total_s / max(1, res.num_cycles))
@@ -159,23 +173,29 @@ def main() -> None:
             engine.runner.attach()  # the verify pass reads the aux layers through hooks (eager) or its graph
             try:
                 for phase in (draft_phase, "verify", "rebuild"):
-                    per[phase].append(timed(b[phase], reset, args.repeats, cuda))
+                    full[phase].append(timed(dec._at(b, dec.capacity)[phase], reset, args.repeats, cuda))
+                    per[phase].append(timed(dec._at(b, max(1, n0 - room) + room)[phase], reset, args.repeats, cuda))
                 if args.profile and "verify" not in profiles:
-                    profiles["verify"] = (name, kernel_times(b["verify"].fn, reset, 10, cuda))
+                    verify = dec._at(b, max(1, n0 - room) + room)["verify"]
+                    profiles["verify"] = (name, kernel_times(verify.fn, reset, 10, cuda))
             finally:
                 engine.runner.detach()
         med = {key: statistics.median(v) for key, v in per.items()}
+        med_full = {key: statistics.median(v) for key, v in full.items()}
         for phase in (draft_phase, "verify", "rebuild"):
-            rows.append((f"{name} {phase}", med[phase], med[phase] / plain, None, None))
+            rows.append((f"{name} {phase}", med[phase], med[phase] / plain, med_full[phase], None, None))
         total = med[draft_phase] + med["verify"] + med["rebuild"]
-        rows.append((f"{name} phases summed", total, total / plain, med["cycle"], med["tau"]))
+        total_full = sum(med_full.values())
+        rows.append((f"{name} phases summed", total, total / plain, total_full, med["cycle"], med["tau"]))
     where = f"bf16, CUDA graphs, {torch.cuda.get_device_name()}" if cuda else "fp32, eager on the CPU"
     print(f"\nSmolLM2 {where}; {len(prompts)} MT-bench first turns, "
-          f"{args.new_tokens} new tokens; medians of {args.repeats} replays per phase")
-    print("| graph | GPU ms | plain steps | measured ms per step/cycle (end to end) | tau |")
-    print("|---|---|---|---|---|")
-    for name, ms, ratio, measured, tau in rows:
-        print(f"| {name} | {ms:.3f} | {ratio:.2f} | {'' if measured is None else f'{measured:.3f}'} | "
+          f"{args.new_tokens} new tokens; medians of {args.repeats} replays per phase; width step {graphs.WIDTH_STEP}, "
+          f"capacity {engine._decoder.capacity}")
+    print("| graph | GPU ms | plain steps | GPU ms at the whole capacity | measured ms per step/cycle (end to end) "
+          "| tau |")
+    print("|---|---|---|---|---|---|")
+    for name, ms, ratio, ms_full, measured, tau in rows:
+        print(f"| {name} | {ms:.3f} | {ratio:.2f} | {ms_full:.3f} | {'' if measured is None else f'{measured:.3f}'} | "
               f"{'' if tau is None else f'{tau:.2f}'} |")
     if "verify" in profiles:
         print_profile(profiles["plain"], profiles["verify"][1], profiles["verify"][0])

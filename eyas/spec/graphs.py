@@ -6,20 +6,24 @@ than on the GPU. A CUDA graph records the launches once and replays them with on
 every shape and every address, so in this path everything has one:
 
 - the target's KV cache has a fixed capacity C; a forward writes its T entries at the slots named by a
-  device tensor (slot = position) and attends over all C slots with the mask `slot <= position`;
+  device tensor (slot = position) and attends over the first W slots with the mask `slot <= position`,
+  W the attended width: every pass is captured once per width (multiples of WIDTH_STEP up to C) and the
+  host replays the narrowest one that holds every slot the pass can touch (a 37-query attention over
+  1,024 slots costs 29 us on an H200, over 256 slots 17.5 us: docs/PERFORMANCE.md, ninth session);
 - the committed length n and the last cycle's accepted count a live in device scalars; the graphs
   update them themselves (n += a + 1), so the host never has to wait for the device to go on;
-- the draft's cache works the same way (fixed storage, writes at device slots, full-width masks);
+- the draft's cache works the same way (fixed storage, writes at device slots, masks over W slots);
 - results land in buffers allocated before capture, never in a graph's private pool (whose memory a
   replay reuses), and reach the host through pinned memory and an event per read, one cycle late: the
   host queues cycle c + 1 before it reads cycle c, so the GPU does not idle while the host decides.
 
-Three graphs per chain length k: `chain` (k draft tokens from the draft's last state), `verify` (the
-target over the pending token and the k drafted ones, then the greedy acceptance on the device:
-a = how many leading drafts equal the target's argmax) and `rebuild` (the draft fed the real aux
-states of the k + 1 verified positions; its state is taken at row a). Rebuilding all k + 1 rows, not
-just the a + 1 kept ones, keeps the shape fixed: rows after a see only their past (causal), and their
-cache slots are overwritten before any later query can see them. Plain decoding is one graph per token.
+Three graphs per chain length k and attended width: `chain` (k draft tokens from the draft's last
+state), `verify` (the target over the pending token and the k drafted ones, then the greedy acceptance
+on the device: a = how many leading drafts equal the target's argmax) and `rebuild` (the draft fed the
+real aux states of the k + 1 verified positions; its state is taken at row a). Rebuilding all k + 1
+rows, not just the a + 1 kept ones, keeps the shape fixed: rows after a see only their past (causal),
+and their cache slots are overwritten before any later query can see them. Plain decoding is one graph
+per token.
 
 The host keeps an upper bound of the device's n and never queues a pass that could write past C.
 Cycles queued after the end of the text (one at most, or two plain steps) are dropped unread; their
@@ -44,6 +48,14 @@ import torch
 from eyas.common import capture_cuda_graph
 from eyas.draft.cache import DraftCache
 from eyas.spec.target import KVCache, TargetRunner, cache_geometry
+
+
+WIDTH_STEP = 256  # attended widths are the multiples of this up to the capacity (and the capacity)
+
+
+def attended_widths(capacity: int) -> list[int]:
+    """The widths a decoder of this capacity captures its passes for, ascending."""
+    return sorted({min(w, capacity) for w in range(WIDTH_STEP, capacity + WIDTH_STEP, WIDTH_STEP)})
 
 
 def plain_capacity(n: int, max_new: int) -> int:
@@ -75,34 +87,36 @@ def _stable_order(keys: torch.Tensor) -> torch.Tensor:
 
 class StaticKVCache(KVCache):
     """The target's cache with writes at device slots (`self.slots`, set before each forward) and reads
-    of the whole capacity; the caller's mask hides what a query may not see."""
+    of the first `self.width` slots; the caller's mask hides what a query may not see."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.slots: torch.Tensor | None = None
+        self.width = self.capacity
 
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
         self.keys[layer_idx].index_copy_(2, self.slots, key_states)
         self.values[layer_idx].index_copy_(2, self.slots, value_states)
-        return self.keys[layer_idx], self.values[layer_idx]
+        return self.keys[layer_idx][:, :, :self.width], self.values[layer_idx][:, :, :self.width]
 
 
 class StaticDraftCache(DraftCache):
-    """The draft's cache with writes at device slots and reads of the whole storage (see above)."""
+    """The draft's cache with writes at device slots and reads of the first `self.width` slots (see above)."""
 
-    __slots__ = ("slots",)
+    __slots__ = ("slots", "width")
 
     def __init__(self, k_store: torch.Tensor, v_store: torch.Tensor):
         super().__init__(k_store, v_store)
         self.slots: torch.Tensor | None = None
+        self.width = k_store.shape[2]
 
     @property
     def key(self) -> torch.Tensor:
-        return self.k_store
+        return self.k_store[:, :, :self.width]
 
     @property
     def value(self) -> torch.Tensor:
-        return self.v_store
+        return self.v_store[:, :, :self.width]
 
     def append(self, k: torch.Tensor, v: torch.Tensor) -> "StaticDraftCache":
         self.k_store.index_copy_(2, self.slots, k)
@@ -114,11 +128,11 @@ class _Step:
     """`fn` (which writes its results into persistent buffers) captured as a CUDA graph and replayed,
     or simply called when graphs are off."""
 
-    def __init__(self, fn, device: torch.device, graphs: bool, name: str):
+    def __init__(self, fn, device: torch.device, graphs: bool, name: str, pool=None):
         self.fn, self.graph = fn, None
         if graphs:
             self.graph = capture_cuda_graph(fn, device, f"the {name} pass", "Decode eagerly instead with `eyas eval "
-                                            "--no-cuda-graphs` (or --set eval.cuda_graphs=false)")
+                                            "--no-cuda-graphs` (or --set eval.cuda_graphs=false)", pool=pool)
 
     def __call__(self) -> None:
         if self.graph is None:
@@ -161,6 +175,10 @@ class GraphDecoder:
         dev = self.device
         self.cache = StaticKVCache(*cache_geometry(model.config), capacity, p.dtype, dev)
         self.cols = torch.arange(capacity, device=dev)  # slot indices
+        self.widths = attended_widths(capacity)
+        # the graphs run one at a time on one stream and keep their results in buffers made before capture,
+        # so they can share one memory pool (one per width and pass would multiply the memory)
+        self.pool = torch.cuda.graph_pool_handle() if self.graphs else None
         self.n = torch.zeros((), dtype=torch.long, device=dev)  # committed length = position of the pending token
         self.a = torch.zeros((), dtype=torch.long, device=dev)  # drafts accepted by the last verification
         self.steps: dict = {}
@@ -173,6 +191,40 @@ class GraphDecoder:
             self.dcache = StaticDraftCache(store, store.clone())
             self.hidden = torch.zeros(1, 1, dc.hidden_size, dtype=self.ddtype, device=dev)  # the draft's last state
             self.dlogits = torch.zeros(dc.draft_vocab_size, dtype=self.ddtype, device=dev)
+        self._set_width(capacity)
+
+    # ---------------------------------------------------------------- attended widths
+
+    def _set_width(self, width: int) -> None:
+        """Passes run (or traced) from now on attend over the first `width` slots of both caches."""
+        self.width = width
+        self.wcols = self.cols[:width]  # the mask's columns
+        self.cache.width = width
+        if self.draft is not None:
+            self.dcache.width = width
+
+    def _capture(self, fns: dict, label: str) -> dict[int, dict]:
+        """{width: {name: _Step}}: every pass of `fns` captured (or, without graphs, kept) once per attended
+        width, each capture run from n = 0 so that its slots stay inside the cache."""
+        counted = self.runner.forward_tokens
+        passes = {}
+        for width in self.widths:
+            self._set_width(width)
+            self.n.zero_()
+            self.a.zero_()
+            passes[width] = {name: _Step(fn, self.device, self.graphs, f"{label} {name} (width {width})", self.pool)
+                             for name, fn in fns.items()}
+        self.runner.forward_tokens = counted  # capture ran the passes; only real replays count
+        return passes
+
+    def _at(self, b: dict, need: int) -> dict:
+        """The passes of b for the narrowest width holding `need` slots (eager passes read it when they run)."""
+        width = next((w for w in self.widths if w >= need), None)
+        if width is None:
+            raise RuntimeError(f"a pass may touch {need} cache slots, more than the capacity {self.capacity}: "
+                               f"this is a bug in eyas (the capacity checks should have refused the request)")
+        self._set_width(width)
+        return b["passes"][width]
 
     # ---------------------------------------------------------------- passes (traced into graphs)
 
@@ -182,7 +234,7 @@ class GraphDecoder:
         attending where `mask` [T, C] says (default: every slot <= its position)."""
         self.cache.slots = positions if slots is None else slots
         if mask is None:
-            mask = self.cols[None, :] <= positions[:, None]  # [T, C]
+            mask = self.wcols[None, :] <= positions[:, None]  # [T, W]
         return self.runner.forward(self.cache, ids, positions[None], mask[None, None], last_only=last_only, aux=aux)
 
     def _draft(self, hidden: torch.Tensor, ids: torch.Tensor, positions: torch.Tensor,
@@ -190,13 +242,13 @@ class GraphDecoder:
         """The draft over (hidden [1, T, H], ids [1, T]) at positions [T]; slots and mask as in `_target`."""
         self.dcache.slots = positions if slots is None else slots
         if mask is None:
-            mask = self.cols[None, :] <= positions[:, None]  # [T, C]
+            mask = self.wcols[None, :] <= positions[:, None]  # [T, W]
         return self.draft(hidden, ids, positions[None], past_key_values=self.dcache, attention_mask=mask)
 
     def _tree_mask(self, local: torch.Tensor) -> torch.Tensor:
-        """[T, C]: every committed slot (< n), plus the slots n + j for which local [T, W] is True."""
+        """[T, W]: every committed slot (< n), plus the slots n + j for which local [T, L] is True."""
         width = local.shape[1]
-        rel = self.cols - self.n  # [C]: slot relative to the committed length
+        rel = self.wcols - self.n  # [W]: slot relative to the committed length
         inside = (rel >= 0) & (rel < width)
         return (rel < 0)[None, :] | (local[:, rel.clamp(0, width - 1)] & inside[None, :])
 
@@ -224,10 +276,7 @@ class GraphDecoder:
              "read": torch.zeros(2 * k + 2, dtype=torch.long, device=dev),  # drafted, argmax, a: the host's read
              "rows": torch.arange(k + 1, device=dev),
              "reads": _Reads(2 * k + 2, dev)}  # pinned once per decoder, not per generation
-        r = self.runner
-        r.attach()  # the verify pass needs the aux hooks while it is traced
-        self.n.zero_()  # capture runs each pass three times from n = 0: slots stay inside the cache
-        self.a.zero_()
+        self.runner.attach()  # the verify pass needs the aux hooks while it is traced
 
         def chain():
             hidden, logits = self.hidden, self.dlogits
@@ -250,11 +299,8 @@ class GraphDecoder:
             b["read"][k:2 * k + 1].copy_(best)
             b["read"][2 * k + 1:].copy_(self.a.view(1))
 
-        counted = r.forward_tokens
-        b["chain"], b["verify"], b["rebuild"] = (
-            _Step(f, self.device, self.graphs, f"chain-{k} {name}")
-            for f, name in ((chain, "chain"), (verify, "verify"), (lambda: self._rebuild(b), "rebuild")))
-        r.forward_tokens = counted  # capture ran the passes; only real replays count
+        b["passes"] = self._capture({"chain": chain, "verify": verify, "rebuild": lambda: self._rebuild(b)},
+                                    f"chain-{k}")
         self.steps[("chain", k)] = b
         return b
 
@@ -291,8 +337,6 @@ class GraphDecoder:
              "read": torch.zeros(depth + 3, dtype=torch.long, device=dev),  # best along the path, a, tree depth
              "reads": _Reads(depth + 3, dev), "size": m}
         self.runner.attach()  # the verify pass needs the aux hooks while it is traced
-        self.n.zero_()  # capture runs each pass three times from n = 0: slots stay inside the cache
-        self.a.zero_()
         eye = torch.eye(topk, dtype=torch.bool, device=dev)
 
         def tree():
@@ -362,11 +406,8 @@ class GraphDecoder:
             b["read"][depth + 1:depth + 2].copy_(self.a.view(1))
             b["read"][depth + 2:].copy_(b["depths"].max().view(1))
 
-        counted = self.runner.forward_tokens
-        b["tree"], b["verify"], b["rebuild"] = (
-            _Step(f, self.device, self.graphs, f"tree {topk},{depth},{total} {name}")
-            for f, name in ((tree, "tree"), (verify, "verify"), (lambda: self._rebuild(b), "rebuild")))
-        self.runner.forward_tokens = counted
+        b["passes"] = self._capture({"tree": tree, "verify": verify, "rebuild": lambda: self._rebuild(b)},
+                                    f"tree {topk},{depth},{total}")
         self.steps[key] = b
         return b
 
@@ -381,9 +422,7 @@ class GraphDecoder:
             b["ids"].copy_(logits.argmax(-1).view(1, 1))
             self.n.add_(1)
 
-        counted = self.runner.forward_tokens
-        b["step"] = _Step(step, self.device, self.graphs, "plain step")
-        self.runner.forward_tokens = counted
+        b["passes"] = self._capture({"step": step}, "plain")
         self.steps["plain"] = b
         return b
 
@@ -395,6 +434,7 @@ class GraphDecoder:
         if n + 1 > self.capacity:
             raise RuntimeError(f"prompt of {n} tokens does not fit a static cache of {self.capacity}")
         positions = self.cols[:n]
+        self._set_width(self.capacity)  # eager: its cost does not depend on the width
         logits, aux = self._target(prompt, positions, aux=with_draft, last_only=True)
         pending = logits[-1].argmax(-1, keepdim=True)  # [1]
         if with_draft:
@@ -421,7 +461,7 @@ class GraphDecoder:
         launched, ahead = 1, 2 if self.graphs else 0
         while True:
             while launched < min(len(res.tokens) + 1 + ahead, max_new):
-                b["step"]()
+                self._at(b, n + launched)["step"]()  # step `launched` writes slot n + launched - 1
                 reads.push(launched, b["ids"][0])
                 launched += 1
             res.tokens.append(reads.get(len(res.tokens))[0])
@@ -442,7 +482,8 @@ class GraphDecoder:
             drafted, best, a = got[:k], got[k:2 * k + 1], got[2 * k + 1]
             return drafted[:a] + [best[a]], a, k
 
-        self._cycles(prompt, max_new, self._chain_buffers(k), "chain", read, k + 1, 2 * k, eos, res, sync_timing)
+        self._cycles(prompt, max_new, self._chain_buffers(k), "chain", read, k + 1, 2 * k, eos, res, sync_timing,
+                     span=k + 1, advance=k + 1)
 
     def tree(self, prompt: torch.Tensor, max_new: int, tree: tuple[int, int, int], eos: set[int], res,
              sync_timing: bool) -> None:
@@ -459,15 +500,17 @@ class GraphDecoder:
             return got[:a + 1], a, got[depth + 2]  # the target's argmax along the path: accepted + bonus
 
         self._cycles(prompt, max_new, b, "tree", read, b["size"] + 1, (depth - 1) * topk + depth + 1, eos, res,
-                     sync_timing)
+                     sync_timing, span=max(b["size"] + 1, (depth - 1) * topk, depth + 1), advance=depth + 1)
 
     def _cycles(self, prompt, max_new: int, b: dict, draft_step: str, read, target_width: int, draft_width: int,
-                eos: set[int], res, sync_timing: bool) -> None:
-        """The host side of speculative cycles over the passes b[draft_step], b["verify"], b["rebuild"]:
-        `read(row)` turns a cycle's read into (new tokens, accepted drafts, depth tried)."""
+                eos: set[int], res, sync_timing: bool, span: int, advance: int) -> None:
+        """The host side of speculative cycles over the passes draft_step, "verify" and "rebuild" of b:
+        `read(row)` turns a cycle's read into (new tokens, accepted drafts, depth tried). A cycle writes
+        at most `span` slots from the committed length on and commits at most `advance` of them."""
         t0 = time.perf_counter()
         ahead = 0 if (sync_timing or not self.graphs) else 1
         reads = b["reads"]
+        n0 = prompt.shape[1]
         pending = self._prefill(prompt, True)
         b["ids"][0, :1].copy_(pending)
         res.tokens.append(int(pending))
@@ -476,16 +519,19 @@ class GraphDecoder:
         launched = done = 0
         while True:
             while launched <= done + ahead and len(res.tokens) + launched - done < max_new:
+                # the committed length when this cycle starts is at most the one the host has read
+                # (n0 + tokens - 1) plus what each cycle still in flight may add
+                passes = self._at(b, n0 + len(res.tokens) - 1 + (launched - done) * advance + span)
                 t1 = time.perf_counter()
-                b[draft_step]()
+                passes[draft_step]()
                 if sync:
                     torch.cuda.synchronize(self.device)
                 t2 = time.perf_counter()
-                b["verify"]()
+                passes["verify"]()
                 if sync:
                     torch.cuda.synchronize(self.device)
                 t3 = time.perf_counter()
-                b["rebuild"]()
+                passes["rebuild"]()
                 reads.push(launched, b["read"])
                 if sync:
                     torch.cuda.synchronize(self.device)

@@ -124,3 +124,26 @@ def test_a_pass_that_waits_for_the_host_fails_capture_with_the_way_out():
 
     with pytest.raises(EyasError, match=r"verify pass .*--no-cuda-graphs"):
         _Step(reads_on_the_host, torch.device("cuda"), True, "verify")
+
+
+def test_cuda_graphs_over_narrow_attended_widths(monkeypatch):
+    """With a width step of 32 slots a generation of 64 tokens after a 39-token prompt replays the graphs of
+    four widths, all captured into one shared memory pool: graphed decoding must still give exactly what
+    the same passes give eagerly (fp32: the target's greedy tokens)."""
+    import eyas.spec.graphs as graphs
+
+    monkeypatch.setattr(graphs, "WIDTH_STEP", 32)
+    target = load_target("tiny", device="cuda", dtype="fp32")
+    draft, aux = untrained_draft(target)
+    prompt = list(range(1, 40))
+    graphed = SpecEngine(target.model, draft, aux, sync_timing=False, static=True)
+    eager = SpecEngine(target.model, draft, aux, static=True)
+    eager._decoder = graphs.GraphDecoder(eager.runner, draft, 1024, graphs=False)
+    ref = SpecEngine(target.model).plain_generate(prompt, 64).tokens
+    assert graphed.plain_generate(prompt, 64).tokens == ref
+    for setting in (dict(steps=4), dict(tree=(4, 4, 12))):
+        want = eager.generate(prompt, 64, **setting)
+        got = graphed.generate(prompt, 64, **setting)
+        assert got.tokens == want.tokens == ref, setting
+        assert got.accepted_per_cycle == want.accepted_per_cycle
+    assert graphed._decoder.graphs and graphed._decoder.widths[:2] == [32, 64]

@@ -165,3 +165,33 @@ def test_static_path_matches_dynamic_engine(smollm2, trained, setting):
     assert accepted > 0  # the comparison saw real acceptances, not only rejections
     assert "steps" in setting or deep > 0  # and for the tree, paths beyond its first level
     assert static._decoder.capacity == 1024 and not static._decoder.graphs  # one decoder; no graphs on a CPU
+
+
+@pytest.mark.parametrize("setting", [dict(steps=3), dict(tree=(4, 4, 12))], ids=["chain3", "tree4x4x12"])
+def test_static_path_with_narrow_attended_widths(smollm2, trained, setting, monkeypatch):
+    """The fixed-shape passes attend over the narrowest width (a multiple of WIDTH_STEP) that holds every
+    slot a pass may touch. With a width step of 4 slots a generation crosses several widths, in the
+    target's and the draft's attention alike: tokens, acceptance per cycle and tree depths must stay those
+    of the dynamic engine (a width too narrow would hide committed slots from the target or the draft)."""
+    import eyas.spec.graphs as graphs
+
+    monkeypatch.setattr(graphs, "WIDTH_STEP", 4)
+    dynamic = SpecEngine(smollm2.model, trained["draft"], trained["aux"])
+    static = SpecEngine(smollm2.model, trained["draft"], trained["aux"], static=True)
+    used = []
+    at = graphs.GraphDecoder._at
+    monkeypatch.setattr(graphs.GraphDecoder, "_at", lambda self, b, need: (used.append(need), at(self, b, need))[1])
+    for prompt, answer in list(zip(trained["prompts"], trained["answers"]))[:4]:
+        want = dynamic.generate(prompt, NEW, eos_token_ids=trained["eos"], **setting)
+        used.clear()
+        got = static.generate(prompt, NEW, eos_token_ids=trained["eos"], **setting)
+        assert got.tokens == answer == want.tokens
+        assert got.accepted_per_cycle == want.accepted_per_cycle, prompt
+        assert got.accepted_depths == want.accepted_depths, prompt
+        widths = {-(-need // 4) * 4 for need in used}
+        assert len(widths) >= 2 and max(widths) < static._decoder.capacity, (used, prompt)
+        if "steps" in setting:
+            used.clear()
+            assert static.plain_generate(prompt, NEW, eos_token_ids=trained["eos"]).tokens == answer
+            assert len({-(-need // 4) for need in used}) >= 2
+    assert static._decoder.widths[:3] == [4, 8, 12]
