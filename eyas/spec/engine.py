@@ -28,7 +28,7 @@ import torch
 from eyas.spec.accept import accept_sample, sample_token, walk_greedy
 from eyas.spec.drafting import crop_cache, draft_chain, draft_tree
 from eyas.spec.graphs import GraphDecoder, chain_capacity, plain_capacity, tree_capacity
-from eyas.spec.target import Positions, TargetRunner, tree_mask
+from eyas.spec.target import Positions, TargetRunner, tree_mask, varying_shape_attention
 
 
 @dataclass
@@ -149,9 +149,15 @@ class SpecEngine:
             raise ValueError("give exactly one of steps=K (chain) or tree=(topk, depth, total)")
         prompt = self._ids(input_ids)
         eos = set(int(e) for e in eos_token_ids)
-        n = prompt.shape[1]
         if self.static and temperature == 0:
             return self._static(prompt, max_new_tokens, eos, steps, tree)
+        with varying_shape_attention():
+            return self._dynamic(prompt, max_new_tokens, steps, tree, temperature, eos, generator)
+
+    def _dynamic(self, prompt: torch.Tensor, max_new_tokens: int, steps: int | None, tree: tuple | None,
+                 temperature: float, eos: set[int], generator) -> GenResult:
+        """`generate` with growing caches and eager passes: sampling, and greedy decoding without `static`."""
+        n = prompt.shape[1]
         width = steps if steps is not None else max(tree[1], tree[2])  # verify width, draft positions
         res = GenResult(tokens=[])
         self.runner.attach()
@@ -290,7 +296,8 @@ class SpecEngine:
         else:
             self._sync()
             t0 = time.perf_counter()
-            self._plain_dynamic(prompt, max_new_tokens, temperature, eos, generator, res, t0)
+            with varying_shape_attention():
+                self._plain_dynamic(prompt, max_new_tokens, temperature, eos, generator, res, t0)
         res.num_cycles = len(res.tokens) - 1
         res.accepted_per_cycle = [0] * res.num_cycles
         res.target_tokens_per_cycle = [1] * res.num_cycles

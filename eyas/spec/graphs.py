@@ -47,7 +47,7 @@ import torch
 
 from eyas.common import capture_cuda_graph
 from eyas.draft.cache import DraftCache
-from eyas.spec.target import KVCache, TargetRunner, cache_geometry
+from eyas.spec.target import KVCache, TargetRunner, cache_geometry, varying_shape_attention
 
 
 WIDTH_STEP = 256  # attended widths are the multiples of this up to the capacity (and the capacity)
@@ -435,13 +435,14 @@ class GraphDecoder:
             raise RuntimeError(f"prompt of {n} tokens does not fit a static cache of {self.capacity}")
         positions = self.cols[:n]
         self._set_width(self.capacity)  # eager: its cost does not depend on the width
-        logits, aux = self._target(prompt, positions, aux=with_draft, last_only=True)
-        pending = logits[-1].argmax(-1, keepdim=True)  # [1]
-        if with_draft:
-            out = self._draft(self.draft.fuse(aux.to(self.ddtype))[None], torch.cat([prompt[0, 1:], pending])[None],
-                              positions)
-            self.hidden.copy_(out.hidden_out[:, -1:])
-            self.dlogits.copy_(out.logits[0, -1])
+        with varying_shape_attention():  # a new length each prompt: no per-shape cuDNN plans
+            logits, aux = self._target(prompt, positions, aux=with_draft, last_only=True)
+            pending = logits[-1].argmax(-1, keepdim=True)  # [1]
+            if with_draft:
+                out = self._draft(self.draft.fuse(aux.to(self.ddtype))[None],
+                                  torch.cat([prompt[0, 1:], pending])[None], positions)
+                self.hidden.copy_(out.hidden_out[:, -1:])
+                self.dlogits.copy_(out.logits[0, -1])
         self.n.fill_(n)
         self.cache.length = n
         return pending

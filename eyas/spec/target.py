@@ -74,6 +74,16 @@ def cache_geometry(config) -> tuple[int, int, int]:
     return config.num_hidden_layers, kv_heads, head_dim
 
 
+def varying_shape_attention():
+    """The SDPA backends for eager passes whose shapes change from call to call (prefills, the dynamic
+    engine): all but cuDNN, which builds and caches an execution plan for each new shape before its first
+    call. That plan pays off in the fixed-shape CUDA graphs of the static path (the fastest verify
+    attention on an H200, docs/PERFORMANCE.md) but would be built again for every new prompt length."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
+
+
 class TargetRunner:
     """Runs the target over new tokens with a KVCache; optionally captures aux hidden states."""
 

@@ -153,3 +153,38 @@ def test_the_static_trees_argsort_is_stable_like_torch_sort():
     for keys in cases:
         assert torch.equal(_stable_order(keys), torch.sort(keys, stable=True).indices)
         assert torch.equal(_stable_order(-keys), torch.sort(keys, descending=True, stable=True).indices)
+
+
+def test_eager_passes_of_varying_shape_leave_cudnn_out(tiny_target, monkeypatch):
+    """Prefills and the dynamic engine run under `varying_shape_attention` (cuDNN would build a plan for
+    every new prompt length); the static path's fixed-shape passes do not."""
+    import contextlib
+
+    import torch
+
+    import eyas.spec.engine as engine_module
+    import eyas.spec.graphs as graphs
+    from eyas.spec.target import varying_shape_attention
+
+    with varying_shape_attention():
+        assert not torch.backends.cuda.cudnn_sdp_enabled()
+        assert torch.backends.cuda.mem_efficient_sdp_enabled() and torch.backends.cuda.math_sdp_enabled()
+    entered = []
+
+    @contextlib.contextmanager
+    def spy():
+        entered.append(1)
+        yield
+
+    monkeypatch.setattr(graphs, "varying_shape_attention", spy)
+    monkeypatch.setattr(engine_module, "varying_shape_attention", spy)
+    draft, aux = untrained_draft(tiny_target)
+    static = SpecEngine(tiny_target.model, draft, aux, static=True)
+    static.generate(PROMPT, 12, steps=3)
+    static.generate(PROMPT, 12, tree=(3, 3, 8))
+    static.plain_generate(PROMPT, 12)
+    assert len(entered) == 3  # one prefill each, none of the cycles or steps
+    dynamic = SpecEngine(tiny_target.model, draft, aux)
+    dynamic.generate(PROMPT, 12, steps=3)
+    dynamic.plain_generate(PROMPT, 12)
+    assert len(entered) == 5  # the whole generation, once each
