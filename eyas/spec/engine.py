@@ -255,9 +255,11 @@ class SpecEngine:
             if steps is not None:
                 dec = self._static_decoder(chain_capacity(n, max_new_tokens, steps))
                 dec._chain_buffers(steps)  # captured before the clock starts (once per chain length)
+                dec.ready_prefill(n, with_draft=True)
             else:
                 dec = self._static_decoder(tree_capacity(n, max_new_tokens, *tree))
                 dec._tree_buffers(*tree)  # captured before the clock starts (once per tree shape)
+                dec.ready_prefill(n, with_draft=True)
             self._sync()
             t0 = time.perf_counter()
             if steps is not None:
@@ -290,6 +292,7 @@ class SpecEngine:
         if self.static and temperature == 0:
             dec = self._static_decoder(plain_capacity(n, max_new_tokens))
             dec._plain_buffers()  # captured before the clock starts
+            dec.ready_prefill(n, with_draft=False)
             self._sync()
             t0 = time.perf_counter()
             dec.plain(prompt, max_new_tokens, eos, res)

@@ -29,6 +29,13 @@ The host keeps an upper bound of the device's n and never queues a pass that cou
 Cycles queued after the end of the text (one at most, or two plain steps) are dropped unread; their
 time counts in `total_s`, as it does for a serving engine that runs ahead.
 
+The prefill has a fixed shape too: the prompt is padded to a multiple of PREFILL_STEP tokens (at most C)
+and one graph per padded length fills both caches and picks the first token at row n - 1. The padding's
+entries lie after the committed length, where every pass masks a slot until it has written it (as it does
+a rejected draft's), so they are never seen; eagerly, every new prompt length would be a new shape (SDPA's
+cuDNN backend builds a plan per shape: 87 ms for a new length on an H200 against 27 ms for a known one,
+docs/PERFORMANCE.md, tenth session).
+
 Trees (EAGLE-2's dynamic tree, the rules of drafting.draft_tree) have the same three graphs with fixed
 shapes: every level feeds its top-k nodes, the candidates are ranked on the device (by counting, not
 with a sort), and the verify graph walks the greedy path itself and moves its entries into place (see
@@ -51,6 +58,7 @@ from eyas.spec.target import KVCache, TargetRunner, cache_geometry, varying_shap
 
 
 WIDTH_STEP = 256  # attended widths are the multiples of this up to the capacity (and the capacity)
+PREFILL_STEP = 64  # prompts are padded to a multiple of this for a graphed prefill; 0: eager, exact length
 
 
 def attended_widths(capacity: int) -> list[int]:
@@ -229,13 +237,14 @@ class GraphDecoder:
     # ---------------------------------------------------------------- passes (traced into graphs)
 
     def _target(self, ids: torch.Tensor, positions: torch.Tensor, aux: bool, last_only: bool = False,
-                slots: torch.Tensor | None = None, mask: torch.Tensor | None = None):
+                slots: torch.Tensor | None = None, mask: torch.Tensor | None = None, keep: torch.Tensor | None = None):
         """The target over ids [1, T] at positions [T], written at `slots` [T] (default: the positions),
-        attending where `mask` [T, C] says (default: every slot <= its position)."""
+        attending where `mask` [T, C] says (default: every slot <= its position); logits as runner.forward."""
         self.cache.slots = positions if slots is None else slots
         if mask is None:
             mask = self.wcols[None, :] <= positions[:, None]  # [T, W]
-        return self.runner.forward(self.cache, ids, positions[None], mask[None, None], last_only=last_only, aux=aux)
+        return self.runner.forward(self.cache, ids, positions[None], mask[None, None], last_only=last_only, aux=aux,
+                                   keep=keep)
 
     def _draft(self, hidden: torch.Tensor, ids: torch.Tensor, positions: torch.Tensor,
                slots: torch.Tensor | None = None, mask: torch.Tensor | None = None):
@@ -426,15 +435,73 @@ class GraphDecoder:
         self.steps["plain"] = b
         return b
 
-    # ---------------------------------------------------------------- prefill (eager: its length varies)
+    # ---------------------------------------------------------------- prefill
+
+    def _prefill_buffers(self, n: int, with_draft: bool) -> dict:
+        """The prefill pass for prompts of n tokens: padded to the next multiple of PREFILL_STEP (at most the
+        capacity) and captured once per padded length. The padding's cache entries sit after the committed
+        length, where every later pass masks a slot until it has written it, like a rejected draft's."""
+        length = min(-(-n // PREFILL_STEP) * PREFILL_STEP, self.capacity)
+        key = ("prefill", length, with_draft)
+        if key in self.steps:
+            return self.steps[key]
+        dev = self.device
+        b = {"ids": torch.zeros(1, length, dtype=torch.long, device=dev),  # the prompt, then padding
+             "next": torch.zeros(1, length, dtype=torch.long, device=dev),  # the prompt from its 2nd token on
+             "last": torch.zeros(1, dtype=torch.long, device=dev),  # n - 1: the row whose logits count
+             "pending": torch.zeros(1, dtype=torch.long, device=dev),
+             "width": next(w for w in self.widths if w >= length)}
+        positions = self.cols[:length]
+
+        def prefill():
+            logits, aux = self._target(b["ids"], positions, aux=with_draft, keep=b["last"])
+            b["pending"].copy_(logits[0].argmax(-1, keepdim=True))
+            if with_draft:  # the draft's row t pairs the target's state at t with token t + 1
+                tokens = b["next"].index_copy(1, b["last"], b["pending"].view(1, 1))
+                out = self._draft(self.draft.fuse(aux.to(self.ddtype))[None], tokens, positions)
+                self.hidden.copy_(out.hidden_out.index_select(1, b["last"]))
+                self.dlogits.copy_(out.logits[0].index_select(0, b["last"])[0])
+
+        self._set_width(b["width"])
+        counted = self.runner.forward_tokens
+        b["pass"] = _Step(prefill, dev, self.graphs, f"prefill of {length} tokens", self.pool)
+        self.runner.forward_tokens = counted
+        self.steps[key] = b
+        return b
+
+    def ready_prefill(self, n: int, with_draft: bool) -> None:
+        """Capture the prefill pass for n-token prompts now (before a clock starts), if prefills are graphed."""
+        if PREFILL_STEP and n + 1 <= self.capacity:
+            self._prefill_buffers(n, with_draft)
 
     def _prefill(self, prompt: torch.Tensor, with_draft: bool) -> torch.Tensor:
         """Fill both caches with the prompt [1, n]; -> the first new token [1] (on the device)."""
         n = prompt.shape[1]
         if n + 1 > self.capacity:
             raise RuntimeError(f"prompt of {n} tokens does not fit a static cache of {self.capacity}")
+        if not PREFILL_STEP:
+            pending = self._prefill_eager(prompt, with_draft)
+        else:
+            b = self._prefill_buffers(n, with_draft)
+            b["ids"][0, :n].copy_(prompt[0])
+            b["ids"][0, n:].zero_()
+            b["next"][0, :n - 1].copy_(prompt[0, 1:])
+            b["next"][0, n - 1:].zero_()
+            b["last"].fill_(n - 1)
+            self._set_width(b["width"])
+            counted = self.runner.forward_tokens
+            b["pass"]()
+            self.runner.forward_tokens = counted + n  # the prompt, not its padding (nor nothing, when replayed)
+            pending = b["pending"]
+        self.n.fill_(n)
+        self.cache.length = n
+        return pending
+
+    def _prefill_eager(self, prompt: torch.Tensor, with_draft: bool) -> torch.Tensor:
+        """`_prefill` at the prompt's own length, without a graph (PREFILL_STEP = 0)."""
+        n = prompt.shape[1]
         positions = self.cols[:n]
-        self._set_width(self.capacity)  # eager: its cost does not depend on the width
+        self._set_width(self.capacity)
         with varying_shape_attention():  # a new length each prompt: no per-shape cuDNN plans
             logits, aux = self._target(prompt, positions, aux=with_draft, last_only=True)
             pending = logits[-1].argmax(-1, keepdim=True)  # [1]
@@ -443,8 +510,6 @@ class GraphDecoder:
                                   torch.cat([prompt[0, 1:], pending])[None], positions)
                 self.hidden.copy_(out.hidden_out[:, -1:])
                 self.dlogits.copy_(out.logits[0, -1])
-        self.n.fill_(n)
-        self.cache.length = n
         return pending
 
     # ---------------------------------------------------------------- generation

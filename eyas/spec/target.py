@@ -124,15 +124,18 @@ class TargetRunner:
         return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, torch.finfo(dtype).min)
 
     @torch.no_grad()
-    def forward(self, cache: KVCache, input_ids, position_ids, mask, last_only: bool = False, aux: bool = True):
+    def forward(self, cache: KVCache, input_ids, position_ids, mask, last_only: bool = False, aux: bool = True,
+                keep: torch.Tensor | None = None):
         """Feed input_ids [1, T] at position_ids [1, T] with mask [1, 1, T, length + T] (bool, True = attend).
 
-        Returns (logits [T or 1, V] fp32, aux_hidden [T, A*H] or None). The new entries are written
-        after `cache.length` but not committed: call cache.advance or cache.keep.
+        Returns (logits fp32 of every row [T, V], of the last [1, V], or of the K rows that the device
+        tensor `keep` names [K, V]; aux_hidden [T, A*H] or None). The new entries are written after
+        `cache.length` but not committed: call cache.advance or cache.keep.
         """
         self._captured.clear()
         out = self.model(input_ids=input_ids, position_ids=position_ids, attention_mask=self._mask(mask),
-                         past_key_values=cache, use_cache=True, logits_to_keep=1 if last_only else 0)
+                         past_key_values=cache, use_cache=True,
+                         logits_to_keep=keep if keep is not None else 1 if last_only else 0)
         self.forward_tokens += input_ids.shape[1]
         logits = out.logits[0].float()
         hidden = None

@@ -147,3 +147,26 @@ def test_cuda_graphs_over_narrow_attended_widths(monkeypatch):
         assert got.tokens == want.tokens == ref, setting
         assert got.accepted_per_cycle == want.accepted_per_cycle
     assert graphed._decoder.graphs and graphed._decoder.widths[:2] == [32, 64]
+
+
+def test_graphed_padded_prefills_equal_the_eager_prefill(monkeypatch):
+    """Prompts of 5 to 130 tokens prefilled by graphs of 64, 128 and 192 tokens (padding after the prompt)
+    on the SmolLM2 target in fp32: tokens and acceptance equal the eager prefill at the prompt's own
+    length, and one graph serves every prompt of its padded length."""
+    import eyas.spec.graphs as graphs
+
+    target = load_target("smollm2", device="cuda", dtype="fp32")
+    aux = resolve_aux_layers(None, target.num_layers)
+    draft = untrained_draft(target, 8192)[0]
+    graphed = SpecEngine(target.model, draft, aux, sync_timing=False, static=True)
+    ids = chat_ids(target, " ".join(["Tell me about the sea and the sky."] * 12))
+    prompts = [ids[:5], ids[:63], ids[:64], ids[:65], ids[:100], ids[:130]]
+    got = [(graphed.generate(p, 24, steps=3).tokens, graphed.generate(p, 24, tree=(4, 4, 12)).accepted_per_cycle,
+            graphed.plain_generate(p, 24).tokens) for p in prompts]
+    lengths = sorted({k[1] for k in graphed._decoder.steps if k[0] == "prefill"})
+    assert lengths == [64, 128, 192] and graphed._decoder.graphs
+    monkeypatch.setattr(graphs, "PREFILL_STEP", 0)
+    eager = SpecEngine(target.model, draft, aux, sync_timing=False, static=True)
+    want = [(eager.generate(p, 24, steps=3).tokens, eager.generate(p, 24, tree=(4, 4, 12)).accepted_per_cycle,
+             eager.plain_generate(p, 24).tokens) for p in prompts]
+    assert got == want

@@ -156,8 +156,9 @@ def test_the_static_trees_argsort_is_stable_like_torch_sort():
 
 
 def test_eager_passes_of_varying_shape_leave_cudnn_out(tiny_target, monkeypatch):
-    """Prefills and the dynamic engine run under `varying_shape_attention` (cuDNN would build a plan for
-    every new prompt length); the static path's fixed-shape passes do not."""
+    """The dynamic engine and the static path's eager prefill (PREFILL_STEP = 0) run under
+    `varying_shape_attention` (cuDNN would build a plan for every new length); the static path's
+    fixed-shape passes, its padded prefill included, do not."""
     import contextlib
 
     import torch
@@ -179,11 +180,18 @@ def test_eager_passes_of_varying_shape_leave_cudnn_out(tiny_target, monkeypatch)
     monkeypatch.setattr(graphs, "varying_shape_attention", spy)
     monkeypatch.setattr(engine_module, "varying_shape_attention", spy)
     draft, aux = untrained_draft(tiny_target)
-    static = SpecEngine(tiny_target.model, draft, aux, static=True)
-    static.generate(PROMPT, 12, steps=3)
-    static.generate(PROMPT, 12, tree=(3, 3, 8))
-    static.plain_generate(PROMPT, 12)
-    assert len(entered) == 3  # one prefill each, none of the cycles or steps
+
+    def static_generations():
+        static = SpecEngine(tiny_target.model, draft, aux, static=True)
+        static.generate(PROMPT, 12, steps=3)
+        static.generate(PROMPT, 12, tree=(3, 3, 8))
+        static.plain_generate(PROMPT, 12)
+
+    static_generations()
+    assert entered == []  # padded prefills and decoding passes: fixed shapes
+    monkeypatch.setattr(graphs, "PREFILL_STEP", 0)
+    static_generations()
+    assert len(entered) == 3  # one eager prefill each, none of the cycles or steps
     dynamic = SpecEngine(tiny_target.model, draft, aux)
     dynamic.generate(PROMPT, 12, steps=3)
     dynamic.plain_generate(PROMPT, 12)

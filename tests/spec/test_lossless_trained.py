@@ -195,3 +195,30 @@ def test_static_path_with_narrow_attended_widths(smollm2, trained, setting, monk
             assert static.plain_generate(prompt, NEW, eos_token_ids=trained["eos"]).tokens == answer
             assert len({-(-need // 4) for need in used}) >= 2
     assert static._decoder.widths[:3] == [4, 8, 12]
+
+
+@pytest.mark.parametrize("step", [5, 1536], ids=["padded-to-5", "padded-to-the-capacity"])
+def test_static_path_with_padded_prefills(smollm2, trained, step, monkeypatch):
+    """The fixed-shape prefill pads the prompt to a multiple of PREFILL_STEP (at most the capacity): the
+    padding's cache entries lie after the committed length, in the target's and the draft's cache, and
+    must never be seen. Tokens, acceptance per cycle and the target tokens counted must equal those of
+    the eager prefill at the prompt's own length (PREFILL_STEP = 0) and of the dynamic engine."""
+    import eyas.spec.graphs as graphs
+
+    dynamic = SpecEngine(smollm2.model, trained["draft"], trained["aux"])
+    for prompt, answer in list(zip(trained["prompts"], trained["answers"]))[:3]:
+        runs = {}
+        for prefill_step in (0, step):
+            monkeypatch.setattr(graphs, "PREFILL_STEP", prefill_step)
+            static = SpecEngine(smollm2.model, trained["draft"], trained["aux"], static=True)
+            fed = static.runner.forward_tokens
+            chain = static.generate(prompt, NEW, eos_token_ids=trained["eos"], steps=3)
+            tree = static.generate(prompt, NEW, eos_token_ids=trained["eos"], tree=(4, 4, 12))
+            plain = static.plain_generate(prompt, NEW, eos_token_ids=trained["eos"])
+            runs[prefill_step] = (chain.tokens, chain.accepted_per_cycle, tree.tokens, tree.accepted_per_cycle,
+                                  plain.tokens, static.runner.forward_tokens - fed)
+            lengths = [k[1] for k in static._decoder.steps if k[0] == "prefill"]
+            assert lengths == ([] if prefill_step == 0 else [min(-(-len(prompt) // step) * step, 1024)] * 2)
+        assert runs[step] == runs[0]
+        want = dynamic.generate(prompt, NEW, eos_token_ids=trained["eos"], steps=3)
+        assert runs[step][0] == answer == want.tokens and runs[step][1] == want.accepted_per_cycle
