@@ -294,7 +294,7 @@ def _build_entry(gguf: Path, entry: Path) -> None:
     import torch
 
     t0 = time.time()
-    print0(f"converting {gguf.name} to a cached Hugging Face directory (once; ~30 s on 2 cores)")
+    print0(f"converting {gguf.name} to a cached Hugging Face directory (once; about 30 s)")
     entry.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{entry.name}.", dir=entry.parent))
     try:
