@@ -255,11 +255,10 @@ class SpecEngine:
             if steps is not None:
                 dec = self._static_decoder(chain_capacity(n, max_new_tokens, steps))
                 dec._chain_buffers(steps)  # captured before the clock starts (once per chain length)
-                dec.ready_prefill(n, with_draft=True)
             else:
                 dec = self._static_decoder(tree_capacity(n, max_new_tokens, *tree))
                 dec._tree_buffers(*tree)  # captured before the clock starts (once per tree shape)
-                dec.ready_prefill(n, with_draft=True)
+            dec.ready_prefill(n, with_draft=True)  # and the prefill (once per padded length)
             self._sync()
             t0 = time.perf_counter()
             if steps is not None:

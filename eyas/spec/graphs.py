@@ -211,12 +211,12 @@ class GraphDecoder:
         if self.draft is not None:
             self.dcache.width = width
 
-    def _capture(self, fns: dict, label: str) -> dict[int, dict]:
+    def _capture(self, fns: dict, label: str, widths: list[int] | None = None) -> dict[int, dict]:
         """{width: {name: _Step}}: every pass of `fns` captured (or, without graphs, kept) once per attended
-        width, each capture run from n = 0 so that its slots stay inside the cache."""
+        width (`widths`, default all), each capture run from n = 0 so that its slots stay inside the cache."""
         counted = self.runner.forward_tokens
         passes = {}
-        for width in self.widths:
+        for width in widths or self.widths:
             self._set_width(width)
             self.n.zero_()
             self.a.zero_()
@@ -225,12 +225,17 @@ class GraphDecoder:
         self.runner.forward_tokens = counted  # capture ran the passes; only real replays count
         return passes
 
-    def _at(self, b: dict, need: int) -> dict:
-        """The passes of b for the narrowest width holding `need` slots (eager passes read it when they run)."""
+    def _width_for(self, need: int) -> int:
+        """The narrowest attended width holding `need` slots."""
         width = next((w for w in self.widths if w >= need), None)
         if width is None:
             raise RuntimeError(f"a pass may touch {need} cache slots, more than the capacity {self.capacity}: "
                                f"this is a bug in eyas (the capacity checks should have refused the request)")
+        return width
+
+    def _at(self, b: dict, need: int) -> dict:
+        """The passes of b for the narrowest width holding `need` slots (eager passes read it when they run)."""
+        width = self._width_for(need)
         self._set_width(width)
         return b["passes"][width]
 
@@ -450,7 +455,7 @@ class GraphDecoder:
              "next": torch.zeros(1, length, dtype=torch.long, device=dev),  # the prompt from its 2nd token on
              "last": torch.zeros(1, dtype=torch.long, device=dev),  # n - 1: the row whose logits count
              "pending": torch.zeros(1, dtype=torch.long, device=dev),
-             "width": next(w for w in self.widths if w >= length)}
+             "width": self._width_for(length)}
         positions = self.cols[:length]
 
         def prefill():
@@ -462,10 +467,7 @@ class GraphDecoder:
                 self.hidden.copy_(out.hidden_out.index_select(1, b["last"]))
                 self.dlogits.copy_(out.logits[0].index_select(0, b["last"])[0])
 
-        self._set_width(b["width"])
-        counted = self.runner.forward_tokens
-        b["pass"] = _Step(prefill, dev, self.graphs, f"prefill of {length} tokens", self.pool)
-        self.runner.forward_tokens = counted
+        b["pass"] = self._capture({"prefill": prefill}, f"{length} tokens", [b["width"]])[b["width"]]["prefill"]
         self.steps[key] = b
         return b
 
