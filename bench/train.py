@@ -10,12 +10,15 @@ Each configuration in --configs is timed on the same shape, side by side:
   dense          the fast path: fused-mask GEMM attention, fused chunked lm_head + soft CE, few host syncs
   dense+compile  the same with the unrolled draft step under torch.compile
   flex+compile   FlexAttention over [k0; k1..kk] with a block mask (no T x T tensor), step compiled
+`:compiled-ce` after a `+compile` configuration (e.g. `flex+compile:compiled-ce`) compiles the soft
+cross-entropy's passes over the logits too (`train.compile_loss`); without it they run eagerly.
 Model FLOPs count every unrolled step (fc once; per step q/k/v/o, MLP, causal attention over step-0
 keys + the diagonal, the draft lm_head; backward = 2x forward) plus the frozen target head (draft-vocab
 logits and the full-vocab argmax, forward only). MFU is given against the bf16 matmul rate measured on
 this device at the start (the issue's ceiling) and against --peak-tflops. Then the longest sequence
 that fits (batch 1) is searched over a few sizes. Configurations are skipped once --budget-s is spent.
-The table comes last.
+The table comes last; `--profile` then adds the kernels of two steps of the fastest configuration under
+torch.profiler, grouped by operator, by GPU time (where a step's time goes when MFU is low).
 """
 
 from __future__ import annotations
@@ -92,12 +95,16 @@ class Bench:
 
     def trainer(self, config: str):
         """(step function, number of trainable parameters) of one configuration on a fresh draft."""
+        config, _, variant = config.partition(":")
         attention, _, compiled = config.partition("+")
         impl = "reference" if attention == "reference" else "fast"
         torch.manual_seed(0)
         draft = Eagle3Draft(self.cfg).to(self.device)
         model = TTTModule(draft, self.shape["ttt"], 0.8, "fused", impl=impl,
-                          attention="dense" if impl == "reference" else attention, compile=compiled == "compile")
+                          attention="dense" if impl == "reference" else attention, compile=compiled == "compile",
+                          compile_loss=variant == "compiled-ce")
+        if variant not in ("", "compiled-ce"):
+            raise ValueError(f"unknown configuration variant {variant!r} (known: compiled-ce)")
         params = [p for p in model.parameters() if p.requires_grad]
         fused = self.device.type == "cuda"
         opt = torch.optim.AdamW(params, lr=1e-4, betas=(0.9, 0.95), weight_decay=0.0, fused=fused)
@@ -149,6 +156,40 @@ class Bench:
             free(self.device)
 
 
+def profile(bench: Bench, config: str, b: int, t: int, top: int = 20) -> None:
+    """Two steps of `config` (after two unprofiled ones) under torch.profiler: operators by self device time."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    step, _ = bench.trainer(config)
+    batch = bench.batch(b, t)
+    for _ in range(2):
+        step(batch).loss_k  # noqa: B018
+    bench.sync()
+    cuda = bench.device.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with torch_profile(activities=activities) as prof:
+        for _ in range(2):
+            step(batch).loss_k  # noqa: B018
+        bench.sync()
+    from torch.autograd import DeviceType
+
+    # operators (host-side events) only: each holds the device time of the kernels it launched, and the kernels'
+    # own events would count that time twice
+    events = [e for e in prof.key_averages() if e.device_type == DeviceType.CPU]
+    key = (lambda e: e.self_device_time_total) if cuda else (lambda e: e.self_cpu_time_total)
+    events = [e for e in events if key(e) > 0]
+    events.sort(key=key, reverse=True)
+    total = sum(key(e) for e in events) or 1.0
+    print(f"\nprofile of {config}, two steps of {b} x {t} tokens: {total / 2e3:.1f} ms of "
+          f"{'GPU' if cuda else 'CPU'} time per step by operator (self time; the top {top})")
+    print("| operator | calls per step | ms per step | share |")
+    print("|---|---|---|---|")
+    for e in events[:top]:
+        print(f"| {e.key[:60]} | {e.count // 2} | {key(e) / 2e3:.2f} | {100 * key(e) / total:.1f} % |")
+    free(bench.device)
+
+
 def free(device: torch.device) -> None:
     gc.collect()
     if device.type == "cuda":
@@ -173,6 +214,8 @@ def main(argv=None) -> int:
     p.add_argument("--peak-tflops", type=float, default=None, help="nominal peak (default 989 for bf16 on CUDA)")
     p.add_argument("--max-seq", type=int, default=None, help="upper end of the longest-sequence search (0 = skip)")
     p.add_argument("--budget-s", type=float, default=170.0, help="skip what is left once this much time is spent")
+    p.add_argument("--profile", action="store_true",
+                   help="after the table, profile two steps of the fastest configuration (operators by GPU time)")
     args = p.parse_args(argv)
 
     t_begin = time.perf_counter()
@@ -246,6 +289,8 @@ def main(argv=None) -> int:
               + (f"{longest:,} tokens" if longest else f"{t:,} tokens (larger sizes not tried or not fitting)"))
     for note in notes:
         print(f"note: {note}")
+    if args.profile and best:
+        profile(bench, best["config"], batch, t)
     print(f"bench wall time {time.perf_counter() - t_begin:.0f} s")
     return 0
 

@@ -165,6 +165,9 @@ class TrainConfig:
     keep_last: int = 2
     attention: str = "dense"  # dense | flex (FlexAttention, CUDA) | reference: the TTT attention kernel
     compile: bool = False  # torch.compile the unrolled draft step (CUDA only; ignored on CPU)
+    # with compile: also compile the soft cross-entropy's passes over the [N, Vd] logits (eager, most of the
+    # element-wise time of a SmolLM2-sized step on the H200); off until measured there (docs/PERFORMANCE.md)
+    compile_loss: bool = False
     val_samples: int = 0  # samples held out of training, scored every val_every steps (0 = none)
     val_every: int = 100  # optimizer steps between held-out scorings (and at the last step)
 

@@ -14,7 +14,8 @@ elementwise passes over `[nh, T, T]` scores and `[N, Vd]` logits, not in matrix 
   CUDA for backward; opt-in (`attention="flex"`).
 - `linear_soft_ce`: `sum_rows soft_CE(x @ W^T, p)` and the draft argmax, chunked over rows; the
   gradients of x and W are formed chunk by chunk in the forward, so the fp32 `[N, Vd]` logits and
-  their log-softmax are never kept for the backward.
+  their log-softmax are never kept for the backward. With `train.compile_loss` the passes over each chunk's
+  logits (log-sum-exp, argmax, the gradient, the gather of the target rows) are compiled too.
 """
 
 from __future__ import annotations
@@ -105,29 +106,63 @@ def rows_per_chunk(vocab: int, budget_bytes: int = 2**28) -> int:
     return max(1, budget_bytes // (4 * vocab))
 
 
+def soft_ce_chunk(logits, probs, rows, grad_dtype):
+    """One chunk of `linear_soft_ce` after the matrix product, everything that reads the [n, Vd] logits.
+
+    logits [n, Vd] (the product's dtype); probs [M, Vd] fp32, of which rows [n] are this chunk's targets
+    (gathered here, so that a compiled version reads them in place); grad_dtype None for no gradient.
+    -> (soft cross-entropy summed over the rows (fp32), argmax [n], d loss / d logits [n, Vd] in grad_dtype
+    or None). The gradient is softmax(logits) * mass - p, where mass = sum(p) is 1 up to rounding.
+    Eager, this is about fifteen passes over fp32 [n, Vd] tensors; compiled (train.compile_loss), a few fused
+    kernels. In the H200 profile of a SmolLM2-sized step (Vd 32,000; bench/train.py --profile) such eager
+    element-wise kernels take most of the GPU time, the matrix products little.
+    """
+    z = logits.float()  # [n, Vd]
+    p = probs[rows]  # [n, Vd]
+    lse = torch.logsumexp(z, dim=-1)  # [n]
+    mass = p.sum(-1)  # [n], 1 up to rounding: the target is renormalised
+    loss = (lse * mass).sum() - torch.linalg.vecdot(p, z).sum()
+    argmax = z.argmax(-1)
+    if grad_dtype is None:
+        return loss, argmax, None
+    # built in place over the fp32 logits (eager, no second [n, Vd] buffer)
+    grad = z.sub_(lse[:, None]).exp_().mul_(mass[:, None]).sub_(p).to(grad_dtype)
+    return loss, argmax, grad
+
+
+_compiled_soft_ce_chunk = None
+
+
+def _chunk_fn(compiled: bool):
+    global _compiled_soft_ce_chunk
+    if not compiled:
+        return soft_ce_chunk
+    if _compiled_soft_ce_chunk is None:
+        # dynamic: the last chunk of every batch and every step's row count differ
+        _compiled_soft_ce_chunk = torch.compile(soft_ce_chunk, dynamic=True)
+    return _compiled_soft_ce_chunk
+
+
 class _LinearSoftCE(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, probs, compute_dtype, chunk):
-        # x [N, H]; weight [Vd, H]; probs [N, Vd] fp32 target distribution
+    def forward(ctx, x, weight, probs, rows, compute_dtype, chunk, compiled):
+        # x [N, H]; weight [Vd, H]; probs [M, Vd] fp32 target distributions, rows [N] the one of each x row
         with torch.autocast(x.device.type, enabled=False):
             w = weight.to(compute_dtype)
             xc = x.to(compute_dtype)
             want_grad = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
+            fn = _chunk_fn(compiled)
             n = xc.shape[0]
             loss = torch.zeros((), dtype=torch.float32, device=x.device)
             argmax = torch.empty(n, dtype=torch.long, device=x.device)
             grad_x = torch.empty_like(xc) if want_grad and ctx.needs_input_grad[0] else None
             grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=x.device) if want_grad else None
             for i in range(0, n, chunk):
-                xi, p = xc[i:i + chunk], probs[i:i + chunk]
-                logits = (xi @ w.T).float()  # [n, Vd]
-                argmax[i:i + chunk] = logits.argmax(-1)
-                lse = torch.logsumexp(logits, dim=-1)  # [n]
-                mass = p.sum(-1)  # 1 up to rounding: the target is renormalised
-                loss += (lse * mass).sum() - torch.linalg.vecdot(p, logits).sum()
+                xi = xc[i:i + chunk]
+                part, argmax[i:i + chunk], g = fn(xi @ w.T, probs, rows[i:i + chunk],
+                                                  compute_dtype if want_grad else None)
+                loss += part
                 if want_grad:
-                    # d loss / d logits = softmax(logits) * mass - p, built in place over the logits
-                    g = logits.sub_(lse[:, None]).exp_().mul_(mass[:, None]).sub_(p).to(compute_dtype)
                     if grad_x is not None:
                         grad_x[i:i + chunk] = g @ w
                     grad_w += (g.T @ xi).float()
@@ -142,15 +177,20 @@ class _LinearSoftCE(torch.autograd.Function):
         grad_x, grad_w = ctx.saved_tensors
         gx = (grad_x.float() * grad_loss).to(ctx.x_dtype) if ctx.needs_input_grad[0] else None
         gw = (grad_w * grad_loss).to(ctx.w_dtype) if ctx.needs_input_grad[1] else None
-        return gx, gw, None, None, None
+        return gx, gw, None, None, None, None, None
 
 
-def linear_soft_ce(x: torch.Tensor, weight: torch.Tensor, probs: torch.Tensor, chunk: int | None = None):
-    """(sum over rows of soft cross-entropy of x @ weight.T against probs, argmax of the logits [N]).
+def linear_soft_ce(x: torch.Tensor, weight: torch.Tensor, probs: torch.Tensor, rows: torch.Tensor | None = None,
+                   chunk: int | None = None, compiled: bool = False):
+    """(sum over rows of soft cross-entropy of x @ weight.T against probs[rows], argmax of the logits [N]).
 
-    Matches `F.cross_entropy((x @ weight.T).float(), probs, reduction="sum")` (under autocast the
-    product runs in the autocast dtype, as a Linear would).
+    Matches `F.cross_entropy((x @ weight.T).float(), probs[rows], reduction="sum")` (under autocast the
+    product runs in the autocast dtype, as a Linear would). `rows` defaults to all of probs' rows in order;
+    `compiled` runs each chunk's passes over the logits through torch.compile (`soft_ce_chunk`).
     """
     dev = x.device.type
     compute_dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
-    return _LinearSoftCE.apply(x, weight, probs, compute_dtype, chunk or rows_per_chunk(weight.shape[0]))
+    if rows is None:
+        rows = torch.arange(probs.shape[0], device=probs.device)
+    return _LinearSoftCE.apply(x, weight, probs, rows, compute_dtype, chunk or rows_per_chunk(weight.shape[0]),
+                               compiled)

@@ -31,7 +31,7 @@ class TTTModule(nn.Module):
 
     def __init__(self, draft: Eagle3Draft, ttt: int, loss_decay: float, features: str, *,
                  impl: str = "fast", attention: str = "dense", compile: bool = False, batch_tokens: int = 0,
-                 compile_backend: str = "inductor"):
+                 compile_backend: str = "inductor", compile_loss: bool = False):
         super().__init__()
         self.draft = draft
         self.ttt, self.loss_decay, self.features = ttt, loss_decay, features
@@ -46,6 +46,9 @@ class TTTModule(nn.Module):
         # start: on the H200 the first change of batch shape otherwise compiled all K steps again
         dynamic = True if attention == "flex" else None
         self.step_fn = torch.compile(draft_step, backend=compile_backend, dynamic=dynamic) if compile else None
+        # the soft cross-entropy's passes over the [N, Vd] logits (train.compile_loss); only inductor fuses
+        # them (the other backends are for tracing tests)
+        self.compiled_ce = compile and compile_loss and compile_backend == "inductor"
         if compile:
             # each unrolled step is its own graph (step 0 has no diagonal keys, step k has k of them), plus
             # the variants of the backward and of the last, shorter batch: dynamo's default limit of 8 graphs
@@ -58,7 +61,8 @@ class TTTModule(nn.Module):
         if self.batch_tokens:
             batch = pad_rows(batch, self.batch_tokens // 2, self.batch_tokens)
         return ttt_forward(self.draft, batch, lm_head_weight, self.ttt, self.loss_decay, self.features,
-                           impl=self.impl, attention=self.attention, step_fn=self.step_fn)
+                           impl=self.impl, attention=self.attention, step_fn=self.step_fn,
+                           compiled_ce=self.compiled_ce)
 
 
 def lr_lambda(total_steps: int, warmup_steps: int, min_lr_ratio: float):
@@ -149,7 +153,8 @@ def _train(cfg, tc, run_dir: Path, source: TrainSource, resume: bool, info: dist
                f"{draft.cfg.head_dim}: using dense")
         attention = "dense"
     model = dist.wrap(TTTModule(draft, tc.ttt, tc.loss_decay, tc.features, attention=attention,
-                                compile=compile_step, batch_tokens=tc.batch_tokens), info, tc.fsdp)
+                                compile=compile_step, batch_tokens=tc.batch_tokens,
+                                compile_loss=tc.compile_loss), info, tc.fsdp)
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=tc.lr, betas=(0.9, 0.95), weight_decay=tc.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(total_steps, tc.warmup_steps, tc.min_lr_ratio))

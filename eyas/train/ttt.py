@@ -174,14 +174,15 @@ ATTENTION_IMPLS = ("dense", "flex", "reference")
 
 def ttt_forward(draft: Eagle3Draft, batch: dict, lm_head_weight: torch.Tensor, ttt: int,
                 loss_decay: float = 0.8, features: str = "fused", return_logits: bool = False,
-                impl: str = "fast", attention: str = "dense", step_fn=None) -> TTTResult:
+                impl: str = "fast", attention: str = "dense", step_fn=None, compiled_ce: bool = False) -> TTTResult:
     """The unrolled TTT loss of one batch (see the module docstring for the index arithmetic).
 
     batch: input_ids [B, T] int64, attention_mask [B, T] bool, loss_mask [B, T], aux_hidden [B, T, A*H],
     final_hidden [B, T, H]. `features="last"` keeps only the last aux state (EAGLE-2-style baseline).
     `impl="reference"` is the plain computation (reference attention, per-step fp32 logits and
     F.cross_entropy); `impl="fast"` uses `attention` ("dense" or "flex", eyas/train/kernels.py), the fused
-    lm_head + soft cross-entropy, and few host syncs. `step_fn` replaces `draft_step` (a compiled one).
+    lm_head + soft cross-entropy, and few host syncs. `step_fn` replaces `draft_step` (a compiled one);
+    `compiled_ce` compiles the soft cross-entropy's passes over the logits (eyas/train/kernels.py).
     """
     if impl not in ("fast", "reference") or attention not in ATTENTION_IMPLS:
         raise ValueError(f"impl={impl!r} / attention={attention!r}: expected fast|reference / {ATTENTION_IMPLS}")
@@ -239,7 +240,8 @@ def ttt_forward(draft: Eagle3Draft, batch: dict, lm_head_weight: torch.Tensor, t
             loss_sum = F.cross_entropy(logits.float(), target.probs[rows], reduction="sum")
             predicted = logits.detach().argmax(-1)
         else:
-            loss_sum, predicted = linear_soft_ce(draft.norm(flat_h[anchors]), draft.lm_head.weight, target.probs[rows])
+            loss_sum, predicted = linear_soft_ce(draft.norm(flat_h[anchors]), draft.lm_head.weight, target.probs, rows,
+                                                 compiled=compiled_ce)
         loss_k = loss_sum / max(n, 1)
         loss = loss + (loss_decay ** k) * loss_k
         with torch.no_grad():

@@ -61,9 +61,12 @@ def test_torchrun_ddp_and_fsdp2(tmp_path, fsdp):
     assert os.readlink(tmp_path / "latest") == "step-0000008"
 
 
-@pytest.mark.parametrize("attention, compiled", [("dense", False), ("dense", True), ("flex", False), ("flex", True)])
-def test_fast_paths_on_cuda_match_the_reference(attention, compiled):
-    """The optimised TTT paths (bench/train.py's configurations) against the reference, bf16 autocast.
+@pytest.mark.parametrize("attention, compiled, compile_loss", [("dense", False, False), ("dense", True, False),
+                                                                ("flex", False, False), ("flex", True, False),
+                                                                ("flex", True, True)])
+def test_fast_paths_on_cuda_match_the_reference(attention, compiled, compile_loss):
+    """The optimised TTT paths (bench/train.py's configurations) against the reference, bf16 autocast; the last
+    with the soft cross-entropy compiled too (train.compile_loss).
     FlexAttention's CUDA kernel needs a head_dim of at least 16 (the training loop uses dense below that)."""
     from test_ttt import H, V, make_batch, make_draft
 
@@ -74,7 +77,8 @@ def test_fast_paths_on_cuda_match_the_reference(attention, compiled):
     out = {}
     for impl in ("reference", "fast"):
         draft = make_draft(head_dim=16).cuda()
-        model = TTTModule(draft, 4, 0.8, "fused", impl=impl, attention=attention, compile=compiled and impl == "fast")
+        model = TTTModule(draft, 4, 0.8, "fused", impl=impl, attention=attention, compile=compiled and impl == "fast",
+                          compile_loss=compile_loss)
         with torch.autocast("cuda", dtype=torch.bfloat16):
             res = model(batch, lm)
         res.loss.backward()

@@ -66,6 +66,33 @@ def test_linear_soft_ce_in_chunks_equals_cross_entropy():
     assert_close(w.grad, ref_gw)
 
 
+def test_linear_soft_ce_gathers_its_target_rows_and_traces_whole():
+    """The target rows are gathered inside each chunk (a compiled chunk reads them in place); the chunk's
+    passes trace into one graph with dynamic sizes (what a compiled training step runs on CUDA; dynamo's
+    aot_eager backend here: the graph and its backward logic, no code generation)."""
+    from eyas.train.kernels import soft_ce_chunk
+
+    torch.manual_seed(1)
+    x, w = torch.randn(11, 8, requires_grad=True), torch.randn(7, 8, requires_grad=True)
+    probs = torch.randn(20, 7).softmax(-1)
+    rows = torch.randperm(20)[:11]
+    ref = F.cross_entropy(x @ w.T, probs[rows], reduction="sum")
+    gx, gw = torch.autograd.grad(ref, (x, w))
+    loss, argmax = linear_soft_ce(x, w, probs, rows, chunk=4)
+    assert_close(loss, ref)
+    assert_close(torch.autograd.grad(loss, (x, w)), (gx, gw))
+
+    traced = torch.compile(soft_ce_chunk, backend="aot_eager", dynamic=True, fullgraph=True)
+    for n in (5, 3):  # two chunk sizes, one graph
+        logits = torch.randn(n, 7, dtype=torch.bfloat16)
+        want = soft_ce_chunk(logits, probs, rows[:n], torch.bfloat16)
+        got = traced(logits, probs, rows[:n], torch.bfloat16)
+        assert_close(got[0], want[0])
+        assert torch.equal(got[1], want[1])
+        assert_close(got[2], want[2])
+        assert soft_ce_chunk(logits, probs, rows[:n], None)[2] is None
+
+
 @pytest.mark.parametrize("k", [0, 1, 3])
 def test_dense_and_flex_attention_equal_the_reference(k):
     torch.manual_seed(k)
