@@ -17,7 +17,7 @@ For scale, the row `bf16 compute` runs the same target in bf16 (as capture does 
 states unrounded: the labels move that much before any store is involved.
 
 Rounding is done with the store's own codec (eyas/store/codec.py), so the figures are those of `eyas capture
---dtype bf16|fp8`. It says nothing of how much acceptance a draft trained on fp8 states loses; it bounds how
+--dtype bf16|fp8|fp8-aux` (fp8-aux: fp8 auxiliary states, bf16 final state). It says nothing of how much acceptance a draft trained on fp8 states loses; it bounds how
 often its labels move.
 """
 
@@ -53,7 +53,7 @@ def main() -> None:
     lm_head = target.lm_head
     target16 = load_target(args.target, device="auto", dtype="bf16")
     capture16 = FeatureCapture(target16)
-    rows = {name: {"agree": [], "kl": [], "aux_err": []} for name in ("bf16 compute", "bf16", "fp8")}
+    rows = {name: {"agree": [], "kl": [], "aux_err": []} for name in ("bf16 compute", "bf16", "fp8", "fp8-aux")}
     answer_tokens = 0
     for q in mtbench_questions()[: args.prompts]:
         text = tok.apply_chat_template([{"role": "user", "content": q["turns"][0]}], tokenize=False,
@@ -74,9 +74,10 @@ def main() -> None:
                 if name == "bf16 compute":
                     read_final, read_aux = final16, aux16
                 else:
-                    stored, scale = codec.encode(final, name, 1)
+                    aux_dtype, final_dtype = codec.parts(name)
+                    stored, scale = codec.encode(final, final_dtype, 1)
                     read_final = codec.decode(stored, scale)
-                    a_stored, a_scale = codec.encode(aux, name, groups)
+                    a_stored, a_scale = codec.encode(aux, aux_dtype, groups)
                     read_aux = codec.decode(a_stored, a_scale)
                 logp = torch.log_softmax(lm_head(read_final).float(), dim=-1)
                 rows[name]["agree"].append(ref.argmax(-1) == logp.argmax(-1))
@@ -95,7 +96,7 @@ def main() -> None:
         agree = torch.cat(r["agree"]).float().mean().item()
         kl = torch.cat(r["kl"])
         err = torch.cat(r["aux_err"])
-        size = f"{codec.bytes_per_token(name, capture.num_aux, hidden):,}" if name in codec.BYTES_PER_VALUE else "-"
+        size = f"{codec.bytes_per_token(name, capture.num_aux, hidden):,}" if name in codec.PARTS else "-"
         print(f"| {name} | {size} | {100 * agree:.2f} % | "
               f"{kl.mean().item():.2e} | {quantiles(kl, 0.99):.2e} | {err.mean().item():.4f} | {err.max().item():.4f} |")
 

@@ -128,7 +128,9 @@ class DataConfig:
 @dataclass
 class CaptureConfig:
     mode: str = "store"  # store (write a hidden-state store) | online (no disk; train runs the target)
-    dtype: str = "auto"  # auto (bf16 on CUDA, fp32 on CPU) | fp32 | bf16 | fp8
+    # auto (bf16 on CUDA, fp32 on CPU) | fp32 | bf16 | fp8 | fp8-aux (fp8 auxiliary states, bf16 final state:
+    # the target's distribution in training stays as exact as bf16's; eyas/store/codec.py)
+    dtype: str = "auto"
     token_budget: int = 0  # tokens per forward pass; 0 = derived from free memory
     shard_tokens: int = 65536  # tokens per shard file
     ram_budget_gb: float = 0.0  # CPU: memory for activations when token_budget is 0; 0 = a quarter of free RAM
@@ -136,7 +138,7 @@ class CaptureConfig:
 
     def __post_init__(self):
         _one_of("capture.mode", self.mode, ("store", "online"))
-        _one_of("capture.dtype", self.dtype, ("auto", "fp32", "bf16", "fp8"))
+        _one_of("capture.dtype", self.dtype, ("auto", "fp32", "bf16", "fp8", "fp8-aux"))
         _at_least("capture.token_budget", self.token_budget, 0, " (0 = derived from free memory)")
         _at_least("capture.shard_tokens", self.shard_tokens, 1)
         _at_least("capture.ram_budget_gb", self.ram_budget_gb, 0.0, " (0 = a quarter of free RAM)")

@@ -22,7 +22,7 @@ import torch
 
 from eyas.common import EyasError, atomic_write_json, format_bytes, print0, progress, warn
 from eyas.store.batching import auto_token_budget, next_batch, plan_fingerprint, plan_shards
-from eyas.store.codec import bytes_per_token, encode, state_layout
+from eyas.store.codec import bytes_per_token, encode, parts, state_layout
 from eyas.store.manifest import HEAD_FILE, MANIFEST, RESUME_KEYS, SCHEMA_VERSION, SUMMARY, committed_shards
 from eyas.store.manifest import differing_keys, read_manifest, write_manifest
 from eyas.store.prepared import Prepared, load_prepared_arrays
@@ -100,11 +100,14 @@ class BatchRunner:
         aux, final = self.features(ids_t, mask_t)  # [B, L, A*H], [B, L, H]
         aux = aux.reshape(batch * longest, -1).index_select(0, real_t)  # [t, A*H]
         final = final.reshape(batch * longest, -1).index_select(0, real_t)  # [t, H]
-        aux_q, aux_s = encode(aux, self.dtype, self.features.num_aux)
-        final_q, final_s = encode(final, self.dtype, 1)
+        aux_dtype, final_dtype = parts(self.dtype)
+        aux_q, aux_s = encode(aux, aux_dtype, self.features.num_aux)
+        final_q, final_s = encode(final, final_dtype, 1)
         states = {"aux_hidden": aux_q, "final_hidden": final_q}
         if aux_s is not None:
-            states.update(aux_scale=aux_s, final_scale=final_s)
+            states["aux_scale"] = aux_s
+        if final_s is not None:
+            states["final_scale"] = final_s
         return states
 
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
@@ -114,6 +117,12 @@ class BatchRunner:
 
 
 # ---------------------------------------------------------------- the store
+
+def _scales_note(dtype: str) -> str | None:
+    """The manifest's word on the fp8 parts' scales (None without fp8)."""
+    names = [name for name, part in zip(("aux_scale [T, A]", "final_scale [T, 1]"), parts(dtype)) if part == "fp8"]
+    return f"per token and layer: amax / 448, fp32 {', '.join(names)}" if names else None
+
 
 def new_manifest(cfg, target, features: FeatureCapture, prepared: Prepared, shards: list, dtype: str) -> dict:
     from eyas import __version__
@@ -129,7 +138,7 @@ def new_manifest(cfg, target, features: FeatureCapture, prepared: Prepared, shar
         "aux_layers": features.aux_layers,
         "final_hidden": "post_norm",
         "dtype": dtype,
-        "scales": "per token and layer: amax / 448, fp32 aux_scale [T, A], final_scale [T, 1]" if dtype == "fp8" else None,
+        "scales": _scales_note(dtype),
         "shard_tokens": cfg.capture.shard_tokens,
         "plan": {"num_shards": len(shards), "num_samples": len(prepared), "num_tokens": int(prepared.offsets[-1]),
                  "prepared_fingerprint": prepared.fingerprint, "fingerprint": plan_fingerprint(shards)},

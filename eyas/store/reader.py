@@ -29,7 +29,7 @@ class _Shard:
         self.offsets = self.file.get_tensor("offsets")  # [n+1]
         self.sample_index = self.file.get_tensor("sample_index")  # [n]
         self.sample_ids = json.loads(self.file.metadata()["eyas"])["sample_ids"]
-        self.has_scales = "aux_scale" in self.file.keys()
+        self.scales = {name for name in ("aux_scale", "final_scale") if name in self.file.keys()}  # fp8 parts
 
     def rows(self, name: str, a: int, b: int) -> torch.Tensor:
         return self.file.get_slice(name)[a:b]
@@ -87,8 +87,8 @@ class StoreReader:
         """Sample j of the pos-th committed shard."""
         shard = self._shard(pos)
         a, b = int(shard.offsets[j]), int(shard.offsets[j + 1])
-        aux_scale = shard.rows("aux_scale", a, b) if shard.has_scales else None  # [T, A]
-        final_scale = shard.rows("final_scale", a, b) if shard.has_scales else None  # [T, 1]
+        aux_scale = shard.rows("aux_scale", a, b) if "aux_scale" in shard.scales else None  # [T, A]
+        final_scale = shard.rows("final_scale", a, b) if "final_scale" in shard.scales else None  # [T, 1]
         return {
             "sample_id": shard.sample_ids[j],
             "input_ids": shard.rows("input_ids", a, b).long(),  # [T]

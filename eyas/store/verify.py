@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from eyas.common import EyasError, sha256_file
-from eyas.store.codec import STORAGE_DTYPES, TOLERANCE
+from eyas.store.codec import STORAGE_DTYPES, TOLERANCE, parts
 from eyas.store.manifest import HEAD_FILE, committed_shards, read_manifest
 
 
@@ -31,7 +31,7 @@ def check_files(store: Path, manifest: dict) -> list[str]:
     elif head.get("sha256") and sha256_file(store / HEAD_FILE) != head["sha256"]:
         problems.append(f"{HEAD_FILE}: sha256 differs from the manifest (file changed or corrupt)")
     num_aux, hidden = len(manifest["aux_layers"]), manifest["hidden_size"]
-    want_dtype = STORAGE_DTYPES[manifest["dtype"]]
+    want_dtypes = dict(zip(("aux_hidden", "final_hidden"), (STORAGE_DTYPES[p] for p in parts(manifest["dtype"]))))
     seen_ids: set[str] = set()
     shards = committed_shards(store, manifest)
     for rec in shards:
@@ -48,7 +48,7 @@ def check_files(store: Path, manifest: dict) -> list[str]:
             offsets = f.get_tensor("offsets")  # [n+1]
             ids = json.loads(f.metadata()["eyas"])["sample_ids"]
             shapes = {k: f.get_slice(k).get_shape() for k in f.keys()}
-            aux_dtype = f.get_slice("aux_hidden").get_dtype()
+            dtypes = {k: f.get_slice(k).get_dtype() for k in want_dtypes if k in shapes}
         n, t = len(offsets) - 1, int(offsets[-1])
         if n != rec["num_samples"] or len(ids) != n or t != rec["num_tokens"]:
             problems.append(f"{rec['file']}: {n} samples / {t} tokens inside, the manifest says "
@@ -59,8 +59,10 @@ def check_files(store: Path, manifest: dict) -> list[str]:
         for key, shape in want.items():
             if shapes.get(key) != shape:
                 problems.append(f"{rec['file']}: {key} has shape {shapes.get(key)}, expected {shape}")
-        if aux_dtype != _st_dtype(want_dtype):
-            problems.append(f"{rec['file']}: aux_hidden is {aux_dtype}, the manifest says {manifest['dtype']}")
+        for key, want_dtype in want_dtypes.items():
+            if key in dtypes and dtypes[key] != _st_dtype(want_dtype):
+                problems.append(f"{rec['file']}: {key} is {dtypes[key]}, the manifest's dtype {manifest['dtype']} "
+                                f"stores it as {_st_dtype(want_dtype)}")
         dup = seen_ids.intersection(ids)
         if dup:
             problems.append(f"{rec['file']}: sample ids stored twice, e.g. {sorted(dup)[:3]}")
@@ -94,7 +96,7 @@ def recompute(store: Path, manifest: dict, target, num_samples: int, seed: int =
         return [], problems
     reader = StoreReader(store)
     features = FeatureCapture(target, manifest["aux_layers"])
-    tol = TOLERANCE[manifest["dtype"]]
+    aux_tol, final_tol = (TOLERANCE[p] for p in parts(manifest["dtype"]))
     prepared, row_of = _prepared_rows(manifest)
     picks = sorted(random.Random(seed).sample(range(len(reader)), min(num_samples, len(reader))))
     rows = []
@@ -108,6 +110,7 @@ def recompute(store: Path, manifest: dict, target, num_samples: int, seed: int =
         stored = list(sample["aux_hidden"].split(hidden, dim=-1)) + [sample["final_hidden"]]
         fresh = list(aux.split(hidden, dim=-1)) + [final]
         for name, s, f in zip(names, stored, fresh):
+            tol = final_tol if name == "final" else aux_tol
             err = (s - f).abs().max().item()
             rel = err / max(f.abs().max().item(), 1e-30)
             rows.append({"sample": i, "sample_id": sample["sample_id"], "layer": name, "max_abs": err, "rel": rel,

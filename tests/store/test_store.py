@@ -61,20 +61,23 @@ def test_round_trip_layout_and_manifest(tmp_path, prepared, tiny_target):
 def test_dtypes_sizes_and_error(tmp_path, prepared, tiny_target):
     reference = StoreReader(_capture(tmp_path / "fp32", prepared, tiny_target, "fp32"))
     sizes = {}
-    for dtype, tol in (("bf16", 1e-2), ("fp8", 7e-2)):
+    bf16, fp8 = 1e-2, 7e-2  # largest relative error of a stored layer
+    for dtype, aux_tol, final_tol in (("bf16", bf16, bf16), ("fp8", fp8, fp8), ("fp8-aux", fp8, bf16)):
         store = _capture(tmp_path / dtype, prepared, tiny_target, dtype)
         reader = StoreReader(store)
         sizes[dtype] = reader.manifest["num_bytes"] / reader.manifest["num_tokens"]
         for i in (0, 7, 23):
             got, ref = reader[i], reference[i]
             assert got["sample_id"] == ref["sample_id"] and got["aux_hidden"].dtype == torch.float32
-            for key in ("aux_hidden", "final_hidden"):
+            for key, tol in (("aux_hidden", aux_tol), ("final_hidden", final_tol)):
                 err = (got[key] - ref[key]).abs().max() / ref[key].abs().max()
                 assert 0 < err < tol, (dtype, key, err)
         assert StoreReader(store, dtype=torch.bfloat16)[0]["final_hidden"].dtype == torch.bfloat16
     fp32 = reference.manifest["num_bytes"] / reference.manifest["num_tokens"]
-    # 4 x 64 states per token: 1024 B in fp32, 512 in bf16, 256 + 16 B of scales in fp8 (+ ids, masks, headers)
+    # 4 x 64 states per token: 1024 B in fp32, 512 in bf16, 256 + 16 B of scales in fp8, and in fp8-aux
+    # 192 + 12 B of scales for the three auxiliary layers and 128 for the final one (+ ids, masks, headers)
     assert 1024 < fp32 < 1100 and 512 < sizes["bf16"] < 560 and 272 < sizes["fp8"] < 310
+    assert 332 < sizes["fp8-aux"] < 370
 
 
 def _capture(store, prepared, target, dtype, **kw):

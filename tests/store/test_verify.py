@@ -2,6 +2,7 @@
 
 import json
 
+import pytest
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
@@ -17,15 +18,16 @@ def _store(tmp_path, prepared, target, dtype="fp32"):
     return store
 
 
-def test_verify_passes_and_prints_errors_per_layer(tmp_path, prepared, tiny_target, capsys):
-    store = _store(tmp_path, prepared, tiny_target, "fp8")
+@pytest.mark.parametrize("dtype, final_tol", [("fp8", 0.1), ("fp8-aux", 0.01)])
+def test_verify_passes_and_prints_errors_per_layer(tmp_path, prepared, tiny_target, capsys, dtype, final_tol):
+    store = _store(tmp_path, prepared, tiny_target, dtype)
     assert main(["verify", str(store), "--samples", "3"]) == 0
     out = capsys.readouterr().out
     assert "recomputed 3 sample(s)" in out and out.rstrip().endswith("OK")
     for layer in ("aux 1", "aux 2", "aux 3", "final"):
         line = next(x for x in out.splitlines() if x.strip().startswith(layer))
         rel = float(line.split()[-1])
-        assert 0 < rel < 0.1  # fp8 is lossy but close
+        assert 0 < rel < (final_tol if layer == "final" else 0.1)  # fp8 is lossy but close, bf16 closer
 
 
 def test_verify_catches_a_flipped_byte(tmp_path, prepared, tiny_target, capsys):
@@ -74,3 +76,17 @@ def test_capture_command_flags_then_verify(tmp_path, prepared, capsys):
                  "--layers", "1,2"]) == 2
     assert "differs in: aux_layers" in capsys.readouterr().err
     assert main(["verify", str(store), "--samples", "2"]) == 0
+
+
+def test_verify_names_a_part_stored_in_another_dtype_than_the_manifest_says(tmp_path, prepared, tiny_target, capsys):
+    """fp8-aux keeps the final state in bf16: a manifest that claims fp8 for the whole store is caught per part."""
+    from eyas.store.manifest import MANIFEST
+
+    store = _store(tmp_path, prepared, tiny_target, "fp8-aux")
+    manifest = json.loads((store / MANIFEST).read_text())
+    manifest["dtype"] = "fp8"
+    (store / MANIFEST).write_text(json.dumps(manifest))
+    assert main(["verify", str(store), "--samples", "0"]) == 1
+    out = capsys.readouterr().out
+    assert "final_hidden is BF16, the manifest's dtype fp8 stores it as F8_E4M3" in out
+    assert "aux_hidden is" not in out
