@@ -192,5 +192,7 @@ def linear_soft_ce(x: torch.Tensor, weight: torch.Tensor, probs: torch.Tensor, r
     compute_dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
     if rows is None:
         rows = torch.arange(probs.shape[0], device=probs.device)
+    if rows.shape[0] != x.shape[0]:
+        raise ValueError(f"linear_soft_ce: {x.shape[0]} rows of x but {rows.shape[0]} target rows")
     return _LinearSoftCE.apply(x, weight, probs, rows, compute_dtype, chunk or rows_per_chunk(weight.shape[0]),
                                compiled)
