@@ -34,6 +34,7 @@ import torch
 
 from eyas.commands.eval import build_engine
 from eyas.spec import graphs
+from eyas.spec.engine import SpecEngine
 from eyas.data.benchmarks import mtbench_questions
 from eyas.spec.bench import encode_turn, settings_of
 from eyas.target import load_target
@@ -98,35 +99,8 @@ def print_profile(plain: dict[str, float], verify: dict[str, float], name: str, 
     print(f"| all operators | {a:.1f} | {b:.1f} | {b - a:+.1f} ({b / a:.2f}x) |")
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--draft", required=True, help="a training run dir, step dir or export dir")
-    p.add_argument("--steps", default="3,5,7", help="chain lengths ('' for none)")
-    p.add_argument("--trees", default="", help="tree shapes TOPK,DEPTH,TOTAL separated by ';', e.g. '4,4,12;8,6,40'")
-    p.add_argument("--prompts", type=int, default=4, help="MT-bench first turns to decode")
-    p.add_argument("--new-tokens", type=int, default=256)
-    p.add_argument("--repeats", type=int, default=50)
-    p.add_argument("--cpu", action="store_true", help="eager fp32 on the CPU: checks the script only")
-    p.add_argument("--width-step", type=int, default=None,
-                   help="attended widths in steps of this many cache slots (default: eyas.spec.graphs.WIDTH_STEP)")
-    p.add_argument("--profile", action="store_true",
-                   help="also profile the plain step and the first setting's verify pass by operator")
-    args = p.parse_args()
-    cuda = not args.cpu
-    if args.width_step:
-        graphs.WIDTH_STEP = args.width_step
-    if cuda and not torch.cuda.is_available():
-        raise SystemExit("needs a CUDA GPU (the phases are CUDA graphs); --cpu checks the script")
-    target = load_target("smollm2", device="cuda" if cuda else "cpu", dtype="bf16" if cuda else "fp32")
-    engine, _ = build_engine(target, args.draft, cuda_graphs=True)
-    if not cuda:  # the static path, eagerly
-        from eyas.spec.engine import SpecEngine
-
-        engine = SpecEngine(target.model, engine.draft, engine.runner.aux_layers, sync_timing=False, static=True)
-    tok = target.tokenizer
-    eos = {tok.eos_token_id}
-    prompts = [encode_turn(tok, [{"role": "user", "content": q["turns"][0]}])
-               for q in mtbench_questions()[:args.prompts]]
+def measure(engine, prompts: list, eos: set, args, cuda: bool) -> tuple[list, dict]:
+    """(table rows, kernel profiles) of the plain step and every setting's phases, decoding `prompts` first."""
     rows = []
     plain_ms, plain_full, plain_cycle = [], [], []
     profiles = {}
@@ -187,19 +161,62 @@ def main() -> None:
         total = med[draft_phase] + med["verify"] + med["rebuild"]
         total_full = sum(med_full.values())
         rows.append((f"{name} phases summed", total, total / plain, total_full, med["cycle"], med["tau"]))
-    where = f"bf16, CUDA graphs, {torch.cuda.get_device_name()}" if cuda else "fp32, eager on the CPU"
-    print(f"\nSmolLM2 {where}; {len(prompts)} MT-bench first turns, "
-          f"{args.new_tokens} new tokens; medians of {args.repeats} replays per phase; width step {graphs.WIDTH_STEP}, "
-          f"capacity {engine._decoder.capacity}")
-    print("| graph | GPU ms | plain steps | GPU ms at the whole capacity | measured ms per step/cycle (end to end) "
-          "| tau |")
-    print("|---|---|---|---|---|---|")
-    for name, ms, ratio, ms_full, measured, tau in rows:
-        print(f"| {name} | {ms:.3f} | {ratio:.2f} | {ms_full:.3f} | {'' if measured is None else f'{measured:.3f}'} | "
-              f"{'' if tau is None else f'{tau:.2f}'} |")
-    if "verify" in profiles:
-        print_profile(profiles["plain"], profiles["verify"][1], profiles["verify"][0])
+    return rows, profiles
 
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--draft", required=True, help="a training run dir, step dir or export dir")
+    p.add_argument("--steps", default="3,5,7", help="chain lengths ('' for none)")
+    p.add_argument("--trees", default="", help="tree shapes TOPK,DEPTH,TOTAL separated by ';', e.g. '4,4,12;8,6,40'")
+    p.add_argument("--prompts", type=int, default=4, help="MT-bench first turns to decode")
+    p.add_argument("--new-tokens", type=int, default=256)
+    p.add_argument("--repeats", type=int, default=50)
+    p.add_argument("--cpu", action="store_true", help="eager fp32 on the CPU: checks the script only")
+    p.add_argument("--width-step", type=int, default=None,
+                   help="attended widths in steps of this many cache slots (default: eyas.spec.graphs.WIDTH_STEP)")
+    p.add_argument("--profile", action="store_true",
+                   help="also profile the plain step and the first setting's verify pass by operator")
+    p.add_argument("--compile-draft", metavar="BACKEND", default=None,
+                   help="then everything again with the draft's passes compiled by this torch.compile backend "
+                        "(inductor; eyas.spec.graphs.COMPILE_DRAFT), side by side")
+    args = p.parse_args()
+    cuda = not args.cpu
+    if args.width_step:
+        graphs.WIDTH_STEP = args.width_step
+    if cuda and not torch.cuda.is_available():
+        raise SystemExit("needs a CUDA GPU (the phases are CUDA graphs); --cpu checks the script")
+    target = load_target("smollm2", device="cuda" if cuda else "cpu", dtype="bf16" if cuda else "fp32")
+    engine, _ = build_engine(target, args.draft, cuda_graphs=True)
+    if not cuda:  # the static path, eagerly
+        engine = SpecEngine(target.model, engine.draft, engine.runner.aux_layers, sync_timing=False, static=True)
+    tok = target.tokenizer
+    eos = {tok.eos_token_id}
+    prompts = [encode_turn(tok, [{"role": "user", "content": q["turns"][0]}])
+               for q in mtbench_questions()[:args.prompts]]
+    arms = [("draft as it is", None, engine)]
+    if args.compile_draft:
+        arms.append((f"draft compiled ({args.compile_draft})", args.compile_draft,
+                     SpecEngine(target.model, engine.draft, engine.runner.aux_layers, sync_timing=False, static=True)))
+    tables = []
+    for label, backend, arm in arms:
+        graphs.COMPILE_DRAFT = backend  # read when the arm's decoder is made, at its first generation
+        t0 = time.perf_counter()
+        rows, profiles = measure(arm, prompts, eos, args, cuda)
+        tables.append((label, rows, profiles, time.perf_counter() - t0))
+    where = f"bf16, CUDA graphs, {torch.cuda.get_device_name()}" if cuda else "fp32, eager on the CPU"
+    for label, rows, profiles, seconds in tables:
+        print(f"\nSmolLM2 {where}; {label} ({seconds:.0f} s, graph captures included); {len(prompts)} MT-bench first "
+              f"turns, {args.new_tokens} new tokens; medians of {args.repeats} replays per phase; width step "
+              f"{graphs.WIDTH_STEP}, capacity {engine._decoder.capacity}")
+        print("| graph | GPU ms | plain steps | GPU ms at the whole capacity | measured ms per step/cycle (end to end) "
+              "| tau |")
+        print("|---|---|---|---|---|---|")
+        for name, ms, ratio, ms_full, measured, tau in rows:
+            print(f"| {name} | {ms:.3f} | {ratio:.2f} | {ms_full:.3f} | {'' if measured is None else f'{measured:.3f}'} "
+                  f"| {'' if tau is None else f'{tau:.2f}'} |")
+        if "verify" in profiles:
+            print_profile(profiles["plain"], profiles["verify"][1], profiles["verify"][0])
 
 if __name__ == "__main__":
     main()

@@ -54,11 +54,16 @@ import torch
 
 from eyas.common import capture_cuda_graph
 from eyas.draft.cache import DraftCache
+from eyas.draft.model import DraftOutput
 from eyas.spec.target import KVCache, TargetRunner, cache_geometry, varying_shape_attention
 
 
 WIDTH_STEP = 256  # attended widths are the multiples of this up to the capacity (and the capacity)
 PREFILL_STEP = 64  # prompts are padded to a multiple of this for a graphed prefill; 0: eager, exact length
+# a torch.compile backend ("inductor") for the draft's passes, compiled whole (`draft_pass`) before their graphs
+# are captured so that their element-wise kernels fuse; None: eager. An experiment (the draft's passes are a
+# fifth of a tree cycle, docs/PERFORMANCE.md), measured side by side by bench/cycle_phases.py --compile-draft
+COMPILE_DRAFT: str | None = None
 
 
 def attended_widths(capacity: int) -> list[int]:
@@ -132,6 +137,16 @@ class StaticDraftCache(DraftCache):
         return self
 
 
+def draft_pass(draft, hidden, ids, position_ids, mask, k_store, v_store, slots, width: int):
+    """The draft's forward over its static cache given as tensors (entries written at `slots`, the first `width`
+    slots read), as one function that torch.compile takes whole: what `GraphDecoder._draft` runs when
+    COMPILE_DRAFT is set. -> (hidden_out [1, T, H], logits [1, T, Vd])."""
+    cache = StaticDraftCache(k_store, v_store)
+    cache.slots, cache.width = slots, width
+    out = draft(hidden, ids, position_ids, past_key_values=cache, attention_mask=mask)
+    return out.hidden_out, out.logits
+
+
 class _Step:
     """`fn` (which writes its results into persistent buffers) captured as a CUDA graph and replayed,
     or simply called when graphs are off."""
@@ -199,6 +214,14 @@ class GraphDecoder:
             self.dcache = StaticDraftCache(store, store.clone())
             self.hidden = torch.zeros(1, 1, dc.hidden_size, dtype=self.ddtype, device=dev)  # the draft's last state
             self.dlogits = torch.zeros(dc.draft_vocab_size, dtype=self.ddtype, device=dev)
+        # dynamic sizes: a handful of compilations (one token or several, the widest width or a narrower one)
+        # serve every width and tree shape; fullgraph: a graph break would be an error, not a silent eager pass
+        self._draft_fn = None
+        if COMPILE_DRAFT and draft is not None:
+            import torch._dynamo as dynamo
+
+            dynamo.config.recompile_limit = max(dynamo.config.recompile_limit, 16)
+            self._draft_fn = torch.compile(draft_pass, backend=COMPILE_DRAFT, dynamic=True, fullgraph=True)
         self._set_width(capacity)
 
     # ---------------------------------------------------------------- attended widths
@@ -252,11 +275,20 @@ class GraphDecoder:
                                    keep=keep)
 
     def _draft(self, hidden: torch.Tensor, ids: torch.Tensor, positions: torch.Tensor,
-               slots: torch.Tensor | None = None, mask: torch.Tensor | None = None):
-        """The draft over (hidden [1, T, H], ids [1, T]) at positions [T]; slots and mask as in `_target`."""
+               slots: torch.Tensor | None = None, mask: torch.Tensor | None = None, compiled: bool = True):
+        """The draft over (hidden [1, T, H], ids [1, T]) at positions [T]; slots and mask as in `_target`.
+        `compiled=False` keeps a pass eager under COMPILE_DRAFT (the prefill: one shape per prompt length)."""
         self.dcache.slots = positions if slots is None else slots
         if mask is None:
             mask = self.wcols[None, :] <= positions[:, None]  # [T, W]
+        if self._draft_fn is not None and compiled:
+            # one grad mode and contiguous inputs whoever calls: each difference would be another compilation
+            with torch.no_grad():
+                hidden_out, logits = self._draft_fn(self.draft, hidden.detach().contiguous(), ids.contiguous(),
+                                                    positions[None].contiguous(), mask.contiguous(),
+                                                    self.dcache.k_store, self.dcache.v_store,
+                                                    self.dcache.slots.contiguous(), self.width)
+            return DraftOutput(hidden_out, logits, self.dcache)
         return self.draft(hidden, ids, positions[None], past_key_values=self.dcache, attention_mask=mask)
 
     def _tree_mask(self, local: torch.Tensor) -> torch.Tensor:
@@ -463,7 +495,7 @@ class GraphDecoder:
             b["pending"].copy_(logits[0].argmax(-1, keepdim=True))
             if with_draft:  # the draft's row t pairs the target's state at t with token t + 1
                 tokens = b["next"].index_copy(1, b["last"], b["pending"].view(1, 1))
-                out = self._draft(self.draft.fuse(aux.to(self.ddtype))[None], tokens, positions)
+                out = self._draft(self.draft.fuse(aux.to(self.ddtype))[None], tokens, positions, compiled=False)
                 self.hidden.copy_(out.hidden_out.index_select(1, b["last"]))
                 self.dlogits.copy_(out.logits[0].index_select(0, b["last"])[0])
 
@@ -509,7 +541,7 @@ class GraphDecoder:
             pending = logits[-1].argmax(-1, keepdim=True)  # [1]
             if with_draft:
                 out = self._draft(self.draft.fuse(aux.to(self.ddtype))[None],
-                                  torch.cat([prompt[0, 1:], pending])[None], positions)
+                                  torch.cat([prompt[0, 1:], pending])[None], positions, compiled=False)
                 self.hidden.copy_(out.hidden_out[:, -1:])
                 self.dlogits.copy_(out.logits[0, -1])
         return pending

@@ -170,3 +170,29 @@ def test_graphed_padded_prefills_equal_the_eager_prefill(monkeypatch):
     want = [(eager.generate(p, 24, steps=3).tokens, eager.generate(p, 24, tree=(4, 4, 12)).accepted_per_cycle,
              eager.plain_generate(p, 24).tokens) for p in prompts]
     assert got == want
+
+
+def test_graphed_cycles_with_the_draft_pass_compiled(monkeypatch):
+    """COMPILE_DRAFT=inductor (bench/cycle_phases.py --compile-draft): the draft's passes compiled before capture
+    give, in fp32 on the tiny target, the target's greedy tokens and the uncompiled graphs' acceptance per cycle,
+    over several attended widths."""
+    import torch._dynamo as dynamo
+
+    import eyas.spec.graphs as graphs
+
+    monkeypatch.setattr(graphs, "WIDTH_STEP", 32)
+    target = load_target("tiny", device="cuda", dtype="fp32")
+    draft, aux = untrained_draft(target)
+    prompt = list(range(1, 40))
+    ref = SpecEngine(target.model).plain_generate(prompt, 64).tokens
+    runs = {}
+    for backend in (None, "inductor"):
+        monkeypatch.setattr(graphs, "COMPILE_DRAFT", backend)
+        dynamo.reset()
+        engine = SpecEngine(target.model, draft, aux, sync_timing=False, static=True)
+        runs[backend] = [engine.generate(prompt, 64, **s) for s in (dict(steps=3), dict(tree=(4, 4, 12)))]
+        assert all(r.tokens == ref for r in runs[backend])
+        assert (engine._decoder._draft_fn is None) == (backend is None) and engine._decoder.graphs
+    dynamo.reset()
+    for got, want in zip(runs["inductor"], runs[None]):
+        assert got.accepted_per_cycle == want.accepted_per_cycle

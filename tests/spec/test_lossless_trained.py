@@ -222,3 +222,28 @@ def test_static_path_with_padded_prefills(smollm2, trained, step, monkeypatch):
         assert runs[step] == runs[0]
         want = dynamic.generate(prompt, NEW, eos_token_ids=trained["eos"], steps=3)
         assert runs[step][0] == answer == want.tokens and runs[step][1] == want.accepted_per_cycle
+
+
+def test_static_path_with_the_draft_pass_compiled(smollm2, trained, monkeypatch):
+    """COMPILE_DRAFT compiles the draft's pass whole (dynamic sizes, no graph break) before graphs are captured:
+    chains, trees and the prefill through it give the eager draft's tokens and acceptance per cycle, over more
+    than one attended width (dynamo's aot_eager backend here: the traced graph with its in-place cache writes,
+    no code generation)."""
+    import torch._dynamo as dynamo
+
+    import eyas.spec.graphs as graphs
+
+    monkeypatch.setattr(graphs, "WIDTH_STEP", 4)
+    prompt = trained["prompts"][0]
+    runs = {}
+    for backend in (None, "aot_eager"):
+        monkeypatch.setattr(graphs, "COMPILE_DRAFT", backend)
+        dynamo.reset()
+        static = SpecEngine(smollm2.model, trained["draft"], trained["aux"], static=True)
+        chain = static.generate(prompt, NEW, eos_token_ids=trained["eos"], steps=3)
+        tree = static.generate(prompt, NEW, eos_token_ids=trained["eos"], tree=(4, 4, 12))
+        runs[backend] = (chain.tokens, chain.accepted_per_cycle, tree.tokens, tree.accepted_per_cycle)
+        assert (static._decoder._draft_fn is None) == (backend is None)
+    dynamo.reset()
+    assert runs["aot_eager"] == runs[None]
+    assert runs[None][0] == trained["answers"][0] and sum(runs[None][1]) > 0
