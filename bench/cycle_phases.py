@@ -203,12 +203,12 @@ def main() -> None:
         graphs.COMPILE_DRAFT = backend  # read when the arm's decoder is made, at its first generation
         t0 = time.perf_counter()
         rows, profiles = measure(arm, prompts, eos, args, cuda)
-        tables.append((label, rows, profiles, time.perf_counter() - t0))
+        tables.append((label, rows, profiles, time.perf_counter() - t0, arm._decoder.capacity))
     where = f"bf16, CUDA graphs, {torch.cuda.get_device_name()}" if cuda else "fp32, eager on the CPU"
-    for label, rows, profiles, seconds in tables:
+    for label, rows, profiles, seconds, capacity in tables:
         print(f"\nSmolLM2 {where}; {label} ({seconds:.0f} s, graph captures included); {len(prompts)} MT-bench first "
               f"turns, {args.new_tokens} new tokens; medians of {args.repeats} replays per phase; width step "
-              f"{graphs.WIDTH_STEP}, capacity {engine._decoder.capacity}")
+              f"{graphs.WIDTH_STEP}, capacity {capacity}")
         print("| graph | GPU ms | plain steps | GPU ms at the whole capacity | measured ms per step/cycle (end to end) "
               "| tau |")
         print("|---|---|---|---|---|---|")

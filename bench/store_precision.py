@@ -17,8 +17,8 @@ For scale, the row `bf16 compute` runs the same target in bf16 (as capture does 
 states unrounded: the labels move that much before any store is involved.
 
 Rounding is done with the store's own codec (eyas/store/codec.py), so the figures are those of `eyas capture
---dtype bf16|fp8|fp8-aux` (fp8-aux: fp8 auxiliary states, bf16 final state). It says nothing of how much acceptance a draft trained on fp8 states loses; it bounds how
-often its labels move.
+--dtype bf16|fp8|fp8-aux` (fp8-aux: fp8 auxiliary states, bf16 final state). It says nothing of how much
+acceptance a draft trained on fp8 states loses; it bounds how often its labels move.
 """
 
 from __future__ import annotations
@@ -53,6 +53,7 @@ def main() -> None:
     lm_head = target.lm_head
     target16 = load_target(args.target, device="auto", dtype="bf16")
     capture16 = FeatureCapture(target16)
+    groups = capture.num_aux
     rows = {name: {"agree": [], "kl": [], "aux_err": []} for name in ("bf16 compute", "bf16", "fp8", "fp8-aux")}
     answer_tokens = 0
     for q in mtbench_questions()[: args.prompts]:
@@ -67,9 +68,9 @@ def main() -> None:
         answer_tokens += final.shape[0]
         with torch.inference_mode():
             ref = torch.log_softmax(lm_head(final).float(), dim=-1)
+            p_ref = ref.exp()
             aux16, final16 = capture16(ids)
             aux16, final16 = aux16[0, start:-1].float(), final16[0, start:-1].float()
-            groups = capture.num_aux
             for name in rows:
                 if name == "bf16 compute":
                     read_final, read_aux = final16, aux16
@@ -81,7 +82,7 @@ def main() -> None:
                     read_aux = codec.decode(a_stored, a_scale)
                 logp = torch.log_softmax(lm_head(read_final).float(), dim=-1)
                 rows[name]["agree"].append(ref.argmax(-1) == logp.argmax(-1))
-                rows[name]["kl"].append((ref.exp() * (ref - logp)).sum(-1))
+                rows[name]["kl"].append((p_ref * (ref - logp)).sum(-1))
                 back = read_aux.view(aux.shape[0], groups, -1)
                 orig = aux.view(aux.shape[0], groups, -1)
                 err = (back - orig).abs().amax(-1) / orig.abs().amax(-1).clamp_min(1e-30)

@@ -158,6 +158,7 @@ class Bench:
 
 def profile(bench: Bench, config: str, b: int, t: int, top: int = 20) -> None:
     """Two steps of `config` (after two unprofiled ones) under torch.profiler: operators by self device time."""
+    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
@@ -172,8 +173,6 @@ def profile(bench: Bench, config: str, b: int, t: int, top: int = 20) -> None:
         for _ in range(2):
             step(batch).loss_k  # noqa: B018
         bench.sync()
-    from torch.autograd import DeviceType
-
     # operators (host-side events) only: each holds the device time of the kernels it launched, and the kernels'
     # own events would count that time twice
     events = [e for e in prof.key_averages() if e.device_type == DeviceType.CPU]

@@ -125,6 +125,10 @@ class DataConfig:
             raise ConfigError(f"data.stop_tokens={self.stop_tokens!r} holds an empty token")
 
 
+# the hidden-state store's dtypes (eyas/store/codec.py PARTS says what each stores in which dtype)
+STORE_DTYPES = ("fp32", "bf16", "fp8", "fp8-aux")
+
+
 @dataclass
 class CaptureConfig:
     mode: str = "store"  # store (write a hidden-state store) | online (no disk; train runs the target)
@@ -138,7 +142,7 @@ class CaptureConfig:
 
     def __post_init__(self):
         _one_of("capture.mode", self.mode, ("store", "online"))
-        _one_of("capture.dtype", self.dtype, ("auto", "fp32", "bf16", "fp8", "fp8-aux"))
+        _one_of("capture.dtype", self.dtype, ("auto", *STORE_DTYPES))
         _at_least("capture.token_budget", self.token_budget, 0, " (0 = derived from free memory)")
         _at_least("capture.shard_tokens", self.shard_tokens, 1)
         _at_least("capture.ram_budget_gb", self.ram_budget_gb, 0.0, " (0 = a quarter of free RAM)")

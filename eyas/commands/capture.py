@@ -7,6 +7,7 @@ its own shards and rank 0 merges the manifest at the end.
 from __future__ import annotations
 
 from eyas.commands import flag_overrides
+from eyas.config import STORE_DTYPES
 
 HELP = "capture the target's hidden states at the aux layers into a packed store"
 
@@ -20,7 +21,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("--out", required=True, metavar="STORE", help="store directory (created, or resumed)")
     parser.add_argument("--layers", help="aux layer ids in the HF hidden_states convention, e.g. 2,15,27 "
                                          "(default: EAGLE-3's [2, n//2, n-3])")
-    parser.add_argument("--dtype", choices=["auto", "fp32", "bf16", "fp8", "fp8-aux"],
+    parser.add_argument("--dtype", choices=["auto", *STORE_DTYPES],
                         help="storage dtype (default: from config); fp8-aux: fp8 auxiliary states, bf16 final state")
     parser.add_argument("--token-budget", type=int, help="tokens per forward pass (default: from free memory)")
     parser.add_argument("--shard-tokens", type=int, help="tokens per shard file")

@@ -16,18 +16,17 @@ import torch
 from eyas.store.manifest import FP8_MAX
 
 STORAGE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn}
-BYTES_PER_VALUE = {"fp32": 4, "bf16": 2, "fp8": 1}
 # max abs error / max abs value a stored layer may show against a recomputation (eyas verify)
 TOLERANCE = {"fp32": 1e-3, "bf16": 2e-2, "fp8": 1e-1}
 # a store's dtype -> (dtype of the auxiliary states, dtype of the final state)
+# (the names are eyas.config.STORE_DTYPES, which the config and `eyas capture --dtype` accept)
 PARTS = {"fp32": ("fp32", "fp32"), "bf16": ("bf16", "bf16"), "fp8": ("fp8", "fp8"), "fp8-aux": ("fp8", "bf16")}
-STORE_DTYPES = tuple(PARTS)
 
 
 def parts(dtype: str) -> tuple[str, str]:
     """(aux dtype, final dtype) of a store dtype."""
     if dtype not in PARTS:
-        raise ValueError(f"unknown store dtype {dtype!r}; known: {', '.join(STORE_DTYPES)}")
+        raise ValueError(f"unknown store dtype {dtype!r}; known: {', '.join(PARTS)}")
     return PARTS[dtype]
 
 
