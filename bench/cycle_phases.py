@@ -179,7 +179,7 @@ def main() -> None:
                    help="also profile the plain step and the first setting's verify pass by operator")
     p.add_argument("--compile-draft", metavar="BACKEND", default=None,
                    help="then everything again with the draft's passes compiled by this torch.compile backend "
-                        "(inductor; eyas.spec.graphs.COMPILE_DRAFT), side by side")
+                        "(inductor; SpecEngine's compile_draft, eyas eval --compile-draft), side by side")
     args = p.parse_args()
     cuda = not args.cpu
     if args.width_step:
@@ -194,13 +194,13 @@ def main() -> None:
     eos = {tok.eos_token_id}
     prompts = [encode_turn(tok, [{"role": "user", "content": q["turns"][0]}])
                for q in mtbench_questions()[:args.prompts]]
-    arms = [("draft as it is", None, engine)]
+    arms = [("draft as it is", engine)]
     if args.compile_draft:
-        arms.append((f"draft compiled ({args.compile_draft})", args.compile_draft,
-                     SpecEngine(target.model, engine.draft, engine.runner.aux_layers, sync_timing=False, static=True)))
+        arms.append((f"draft compiled ({args.compile_draft})",
+                     SpecEngine(target.model, engine.draft, engine.runner.aux_layers, sync_timing=False, static=True,
+                                compile_draft=args.compile_draft)))
     tables = []
-    for label, backend, arm in arms:
-        graphs.COMPILE_DRAFT = backend  # read when the arm's decoder is made, at its first generation
+    for label, arm in arms:
         t0 = time.perf_counter()
         rows, profiles = measure(arm, prompts, eos, args, cuda)
         tables.append((label, rows, profiles, time.perf_counter() - t0, arm._decoder.capacity))

@@ -210,6 +210,10 @@ class EvalConfig:
     hf_baseline: bool = True  # also time transformers `generate` on the same prompts (plain decoding is always timed)
     threads: int = 0  # torch CPU threads for eval; 0 = torch's default (1 is often faster on shared cores)
     cuda_graphs: bool = True  # on a GPU, greedy chains, trees and plain decoding replay CUDA graphs (no effect on CPU)
+    # on a GPU with eval.cuda_graphs, the draft's passes are compiled by torch.compile (inductor) before their
+    # graphs are captured, so that their element-wise kernels fuse; it costs compile time at the first generation.
+    # An experiment, not yet measured (docs/PERFORMANCE.md); anywhere else eval refuses it
+    compile_draft: bool = False
 
     def __post_init__(self):
         if not self.benches:

@@ -1,6 +1,6 @@
 import pytest
 
-from eyas.config import ConfigError, PRESETS, load_config
+from eyas.config import ConfigError, EvalConfig, PRESETS, load_config
 
 
 @pytest.mark.parametrize("name", sorted(PRESETS))
@@ -72,6 +72,13 @@ def test_values_at_their_limits_are_accepted():
     assert cfg.name == "mine" and cfg.data.regenerate == "http://127.0.0.1:8000/v1"
     assert cfg.target.device == "cuda:3" and cfg.data.stop_tokens == ["<|endoftext|>"]
     assert load_config("tiny", ["data.regenerate=none"]).data.regenerate is None
+
+
+def test_compile_draft_is_an_eval_key():
+    """Off by default and set like any key; whether the target can use it is eval's check (build_engine)."""
+    assert EvalConfig().compile_draft is False and EvalConfig(compile_draft=True).compile_draft is True
+    assert load_config("demo", ["eval.compile_draft=true"]).eval.compile_draft is True
+    assert load_config("demo").eval.compile_draft is False
 
 
 def test_yaml_extends_a_preset(tmp_path):

@@ -51,6 +51,9 @@ def add_arguments(p) -> None:
     p.add_argument("--no-cuda-graphs", action="store_true",
                    help="on a GPU, decode greedy chains, trees and plain text eagerly instead of replaying CUDA "
                         "graphs (sampling is always eager)")
+    p.add_argument("--compile-draft", action="store_true",
+                   help="with CUDA graphs on a GPU, compile the draft's passes with torch.compile (inductor) before "
+                        "their graphs are captured (an experiment; compiling costs time at the first generation)")
     p.add_argument("--out", default="eval/result.json",
                    help="RESULT.json; with several benchmarks or settings, -BENCH-SETTING is added to the name")
     p.add_argument("--out-dir", help="write DIR/BENCH-SETTING.json and .png instead (the layout of a run's eval/)")
@@ -71,6 +74,8 @@ def _config(args):
         sets.append("eval.hf_baseline=false")
     if args.no_cuda_graphs:
         sets.append("eval.cuda_graphs=false")
+    if args.compile_draft:
+        sets.append("eval.compile_draft=true")
     return load_config(args.config, sets)
 
 
@@ -110,9 +115,11 @@ def main(args) -> int:
         raise EyasError(f"--out {out}: expected a path ending in .json (other than {SUMMARY}, which eval keeps "
                         f"beside the results)")
     target = load_target(cfg.target.spec, device=cfg.target.device, dtype=cfg.target.dtype)
-    engine, info = build_engine(target, args.draft, cfg.target.aux_layers, cuda_graphs=cfg.eval.cuda_graphs)
+    engine, info = build_engine(target, args.draft, cfg.target.aux_layers, cuda_graphs=cfg.eval.cuda_graphs,
+                                compile_draft=cfg.eval.compile_draft)
     print0(f"target {target.name} ({target.device}, {target.dtype}) | draft {args.draft} | aux layers {info['aux']} | "
-           f"{'CUDA graphs for greedy chains, trees and plain decoding' if engine.static else 'eager decoding'} | "
+           f"{'CUDA graphs for greedy chains, trees and plain decoding' if engine.static else 'eager decoding'}"
+           f"{f' (draft compiled, {engine.compile_draft})' if engine.compile_draft else ''} | "
            f"settings {', '.join(n for n, _ in settings)} | temperature {cfg.eval.temperature} | "
            f"max new tokens {cfg.eval.max_new_tokens}")
     many = len(settings) * len(cfg.eval.benches) > 1
@@ -145,6 +152,7 @@ def run_benches(cfg, engine, target, info: dict, settings, draft: str, result_pa
                                                cfg.eval.max_new_tokens, cfg.eval.limit, paths, hf=hf,
                                                extra_settings={"draft": draft, "aux_layers": info["aux"],
                                                                "cuda_graphs": engine.static,
+                                                               "compile_draft": engine.compile_draft,
                                                                "draft_weights": info["meta"].get("weights_stamp")})
         started = update_summary(bench, results[bench_name(bench)], paths, cfg, draft, started)
         if report:
@@ -207,7 +215,8 @@ def evaluate(cfg, draft_path, out_dir, target=None, hf: bool | None = None) -> d
     if target is None:
         target = load_target(cfg.target.spec, device=cfg.target.device, dtype=cfg.target.dtype)
     hf = cfg.eval.hf_baseline if hf is None else hf
-    engine, meta = build_engine(target, draft_path, cfg.target.aux_layers, cuda_graphs=cfg.eval.cuda_graphs)
+    engine, meta = build_engine(target, draft_path, cfg.target.aux_layers, cuda_graphs=cfg.eval.cuda_graphs,
+                                compile_draft=cfg.eval.compile_draft)
     from eyas.common import EyasError
 
     settings = settings_of(cfg.eval.steps, cfg.eval.tree)
@@ -230,15 +239,23 @@ def weights_stamp(draft_path) -> str:
     return sha256_json([(str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns) for f in files])[:16]
 
 
-def build_engine(target, draft_path, aux_layers=None, cuda_graphs: bool = False) -> tuple[SpecEngine, dict]:
+def build_engine(target, draft_path, aux_layers=None, cuda_graphs: bool = False,
+                 compile_draft: bool = False) -> tuple[SpecEngine, dict]:
     """Load a draft for `target` and check that it fits; -> (engine, {"aux": HF ids, "meta": draft meta}).
     cuda_graphs: on a CUDA target, the engine's static path (graphs, one cycle queued ahead, so only the
-    total time is measured, not the draft/verify split); nothing changes on a CPU."""
+    total time is measured, not the draft/verify split); nothing changes on a CPU.
+    compile_draft: the static path's draft passes compiled by inductor; refused without that path."""
     from eyas.common import EyasError, warn
     from eyas.export import load_draft
     from eyas.spec.engine import SpecEngine
     from eyas.target import resolve_aux_layers
 
+    static = cuda_graphs and target.device.type == "cuda"
+    if compile_draft and not static:
+        # refused, not ignored: whoever asked for it would otherwise time the eager draft unawares
+        raise EyasError(f"eval.compile_draft needs a CUDA target with eval.cuda_graphs=true (the target is on "
+                        f"{target.device}, eval.cuda_graphs={str(cuda_graphs).lower()}); drop --compile-draft "
+                        f"or --set eval.compile_draft=true")
     draft, meta = load_draft(draft_path, embed_tokens=target.embed_tokens.weight)
     meta["weights_stamp"] = weights_stamp(draft_path)
     dc = draft.cfg
@@ -254,5 +271,6 @@ def build_engine(target, draft_path, aux_layers=None, cuda_graphs: bool = False)
     if len(aux) != dc.num_aux_layers:
         raise EyasError(f"draft {draft_path} fuses {dc.num_aux_layers} aux layers but {len(aux)} ids are known ({aux})")
     draft = draft.to(device=target.device, dtype=target.dtype)
-    static = cuda_graphs and target.device.type == "cuda"
-    return SpecEngine(target.model, draft, aux, sync_timing=not static, static=static), {"aux": aux, "meta": meta}
+    engine = SpecEngine(target.model, draft, aux, sync_timing=not static, static=static,
+                        compile_draft="inductor" if compile_draft else None)
+    return engine, {"aux": aux, "meta": meta}

@@ -67,11 +67,16 @@ class SpecEngine:
     """A target model plus an EAGLE-3 draft (Eagle3Draft or anything with its interface)."""
 
     def __init__(self, target_model, draft=None, aux_layers: list[int] | None = None, sync_timing: bool = True,
-                 static: bool = False):
+                 static: bool = False, compile_draft: str | None = None):
         """sync_timing: synchronise the device between drafting and verification, so that draft_s and
         verify_s are exact on CUDA (False saves those waits; only total_s is then meaningful).
         static: greedy chains and plain decoding with fixed shapes (graphs.py): CUDA graphs on a GPU,
-        the same passes eagerly elsewhere."""
+        the same passes eagerly elsewhere.
+        compile_draft: a torch.compile backend ("inductor") for the draft's passes on the static path
+        (graphs.GraphDecoder); None: eager."""
+        if compile_draft and not static:
+            raise ValueError(f"compile_draft={compile_draft!r} needs static=True: only the static path's "
+                             f"draft passes are compiled")
         self.model = target_model
         self.draft = draft
         self.runner = TargetRunner(target_model, aux_layers if draft is not None else None)
@@ -81,6 +86,7 @@ class SpecEngine:
         self.draft_forward_tokens = 0
         self.sync_timing = sync_timing
         self.static = static
+        self.compile_draft = compile_draft
         self._decoder: GraphDecoder | None = None
         self._d2t = None
 
@@ -98,7 +104,8 @@ class SpecEngine:
         needs more than its capacity, which grows in steps of 1,024 tokens."""
         if self._decoder is None or self._decoder.capacity < need:
             self._decoder = None  # free the old buffers and graphs first
-            self._decoder = GraphDecoder(self.runner, self.draft, -(-need // 1024) * 1024, graphs=True)
+            self._decoder = GraphDecoder(self.runner, self.draft, -(-need // 1024) * 1024, graphs=True,
+                                         compile_draft=self.compile_draft)
         return self._decoder
 
     def _ids(self, tokens) -> torch.Tensor:

@@ -60,10 +60,6 @@ from eyas.spec.target import KVCache, TargetRunner, cache_geometry, varying_shap
 
 WIDTH_STEP = 256  # attended widths are the multiples of this up to the capacity (and the capacity)
 PREFILL_STEP = 64  # prompts are padded to a multiple of this for a graphed prefill; 0: eager, exact length
-# a torch.compile backend ("inductor") for the draft's passes, compiled whole (`draft_pass`) before their graphs
-# are captured so that their element-wise kernels fuse; None: eager. An experiment (the draft's passes are a
-# fifth of a tree cycle, docs/PERFORMANCE.md), measured side by side by bench/cycle_phases.py --compile-draft
-COMPILE_DRAFT: str | None = None
 
 
 def attended_widths(capacity: int) -> list[int]:
@@ -139,8 +135,8 @@ class StaticDraftCache(DraftCache):
 
 def draft_pass(draft, hidden, ids, position_ids, mask, k_store, v_store, slots, width: int):
     """The draft's forward over its static cache given as tensors (entries written at `slots`, the first `width`
-    slots read), as one function that torch.compile takes whole: what `GraphDecoder._draft` runs when
-    COMPILE_DRAFT is set. -> (hidden_out [1, T, H], logits [1, T, Vd])."""
+    slots read), as one function that torch.compile takes whole: what `GraphDecoder._draft` runs when the
+    decoder has a `compile_draft` backend. -> (hidden_out [1, T, H], logits [1, T, Vd])."""
     cache = StaticDraftCache(k_store, v_store)
     cache.slots, cache.width = slots, width
     out = draft(hidden, ids, position_ids, past_key_values=cache, attention_mask=mask)
@@ -189,7 +185,11 @@ class GraphDecoder:
     """Static buffers of capacity C for one target (and optionally one Eagle3Draft), and the graphs
     over them, captured on first use per chain length. Made by SpecEngine; see the module docstring."""
 
-    def __init__(self, runner: TargetRunner, draft, capacity: int, graphs: bool):
+    def __init__(self, runner: TargetRunner, draft, capacity: int, graphs: bool, compile_draft: str | None = None):
+        """compile_draft: a torch.compile backend ("inductor") for the draft's cycle passes, compiled whole
+        (`draft_pass`) before their graphs are captured so that their element-wise kernels fuse; None: eager.
+        An experiment (the draft's passes are a fifth of a tree cycle, docs/PERFORMANCE.md), measured side by
+        side by bench/cycle_phases.py --compile-draft."""
         model = runner.model
         p = next(model.parameters())
         self.device, self.runner, self.draft, self.capacity = p.device, runner, draft, capacity
@@ -217,11 +217,11 @@ class GraphDecoder:
         # dynamic sizes: a handful of compilations (one token or several, the widest width or a narrower one)
         # serve every width and tree shape; fullgraph: a graph break would be an error, not a silent eager pass
         self._draft_fn = None
-        if COMPILE_DRAFT and draft is not None:
+        if compile_draft and draft is not None:
             import torch._dynamo as dynamo
 
             dynamo.config.recompile_limit = max(dynamo.config.recompile_limit, 16)
-            self._draft_fn = torch.compile(draft_pass, backend=COMPILE_DRAFT, dynamic=True, fullgraph=True)
+            self._draft_fn = torch.compile(draft_pass, backend=compile_draft, dynamic=True, fullgraph=True)
         self._set_width(capacity)
 
     # ---------------------------------------------------------------- attended widths
@@ -277,7 +277,7 @@ class GraphDecoder:
     def _draft(self, hidden: torch.Tensor, ids: torch.Tensor, positions: torch.Tensor,
                slots: torch.Tensor | None = None, mask: torch.Tensor | None = None, compiled: bool = True):
         """The draft over (hidden [1, T, H], ids [1, T]) at positions [T]; slots and mask as in `_target`.
-        `compiled=False` keeps a pass eager under COMPILE_DRAFT (the prefill: one shape per prompt length)."""
+        `compiled=False` keeps a pass eager under compile_draft (the prefill: one shape per prompt length)."""
         self.dcache.slots = positions if slots is None else slots
         if mask is None:
             mask = self.wcols[None, :] <= positions[:, None]  # [T, W]

@@ -173,7 +173,7 @@ def test_graphed_padded_prefills_equal_the_eager_prefill(monkeypatch):
 
 
 def test_graphed_cycles_with_the_draft_pass_compiled(monkeypatch):
-    """COMPILE_DRAFT=inductor (bench/cycle_phases.py --compile-draft): the draft's passes compiled before capture
+    """compile_draft="inductor" (eyas eval --compile-draft): the draft's passes compiled before capture
     give, in fp32 on the tiny target, the target's greedy tokens and the uncompiled graphs' acceptance per cycle,
     over several attended widths."""
     import torch._dynamo as dynamo
@@ -187,9 +187,8 @@ def test_graphed_cycles_with_the_draft_pass_compiled(monkeypatch):
     ref = SpecEngine(target.model).plain_generate(prompt, 64).tokens
     runs = {}
     for backend in (None, "inductor"):
-        monkeypatch.setattr(graphs, "COMPILE_DRAFT", backend)
         dynamo.reset()
-        engine = SpecEngine(target.model, draft, aux, sync_timing=False, static=True)
+        engine = SpecEngine(target.model, draft, aux, sync_timing=False, static=True, compile_draft=backend)
         runs[backend] = [engine.generate(prompt, 64, **s) for s in (dict(steps=3), dict(tree=(4, 4, 12)))]
         assert all(r.tokens == ref for r in runs[backend])
         assert (engine._decoder._draft_fn is None) == (backend is None) and engine._decoder.graphs

@@ -140,6 +140,13 @@ def test_static_path_grows_its_capacity_and_stays_lossless(tiny_target):
             PROMPT, 8, steps=2)
 
 
+def test_compile_draft_needs_the_static_path(tiny_target):
+    """The dynamic path has no compiled draft pass: asking for one there is an error, not a no-op."""
+    draft, aux = untrained_draft(tiny_target)
+    with pytest.raises(ValueError, match="needs static=True"):
+        SpecEngine(tiny_target.model, draft, aux, static=False, compile_draft="aot_eager")
+
+
 def test_the_static_trees_argsort_is_stable_like_torch_sort():
     """The fixed-shape tree ranks candidates by counting (capturable in a CUDA graph); it must order them as
     a stable sort does, ties (equal scores, repeated depths, -inf log-probs) in index order."""

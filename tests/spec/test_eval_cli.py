@@ -92,6 +92,22 @@ def test_bad_jsonl_names_the_line(tmp_path):
         load_bench(str(bad))
 
 
+def test_compile_draft_without_the_static_path_is_refused(tmp_path, tiny_target, capsys):
+    """Only the CUDA-graph path compiles the draft's passes: on a CPU target, or with graphs off, eval stops
+    with the key and the fix instead of timing the eager draft."""
+    from eyas.commands.eval import build_engine
+    from eyas.common import EyasError
+
+    step = save_step_dir(tmp_path / "step", tiny_target)
+    rc = main(["eval", "--config", "tiny", "--target", "tiny", "--draft", str(step), "--steps", "2",
+               "--compile-draft", "--out", str(tmp_path / "r.json")])
+    err = capsys.readouterr().err
+    assert rc == 2 and "eval.compile_draft needs a CUDA target with eval.cuda_graphs=true" in err
+    assert "drop --compile-draft" in err and not (tmp_path / "r.json").exists()
+    with pytest.raises(EyasError, match="eval.cuda_graphs=false"):
+        build_engine(tiny_target, step, cuda_graphs=False, compile_draft=True)
+
+
 def test_evaluate_entry_for_the_pipeline(tmp_path, tiny_target):
     from eyas.commands.eval import evaluate
     from eyas.config import load_config

@@ -225,7 +225,7 @@ def test_static_path_with_padded_prefills(smollm2, trained, step, monkeypatch):
 
 
 def test_static_path_with_the_draft_pass_compiled(smollm2, trained, monkeypatch):
-    """COMPILE_DRAFT compiles the draft's pass whole (dynamic sizes, no graph break) before graphs are captured:
+    """compile_draft compiles the draft's pass whole (dynamic sizes, no graph break) before graphs are captured:
     chains, trees and the prefill through it give the eager draft's tokens and acceptance per cycle, over more
     than one attended width (dynamo's aot_eager backend here: the traced graph with its in-place cache writes,
     no code generation)."""
@@ -237,9 +237,8 @@ def test_static_path_with_the_draft_pass_compiled(smollm2, trained, monkeypatch)
     prompt = trained["prompts"][0]
     runs = {}
     for backend in (None, "aot_eager"):
-        monkeypatch.setattr(graphs, "COMPILE_DRAFT", backend)
         dynamo.reset()
-        static = SpecEngine(smollm2.model, trained["draft"], trained["aux"], static=True)
+        static = SpecEngine(smollm2.model, trained["draft"], trained["aux"], static=True, compile_draft=backend)
         chain = static.generate(prompt, NEW, eos_token_ids=trained["eos"], steps=3)
         tree = static.generate(prompt, NEW, eos_token_ids=trained["eos"], tree=(4, 4, 12))
         runs[backend] = (chain.tokens, chain.accepted_per_cycle, tree.tokens, tree.accepted_per_cycle)
