@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+import traceback
 
 import torch
 
@@ -199,12 +200,21 @@ def main() -> None:
         arms.append((f"draft compiled ({args.compile_draft})",
                      SpecEngine(target.model, engine.draft, engine.runner.aux_layers, sync_timing=False, static=True,
                                 compile_draft=args.compile_draft)))
-    tables = []
+    tables, failed = [], []
     for label, arm in arms:
         t0 = time.perf_counter()
-        rows, profiles = measure(arm, prompts, eos, args, cuda)
+        try:
+            rows, profiles = measure(arm, prompts, eos, args, cuda)
+        except Exception:  # a failing arm (a compiler error, say) must not lose the tables measured before it
+            if label == arms[0][0]:
+                raise
+            traceback.print_exc()
+            failed.append(f"{label}: failed after {time.perf_counter() - t0:.0f} s ({traceback.format_exc(limit=0).strip()})")
+            continue
         tables.append((label, rows, profiles, time.perf_counter() - t0, arm._decoder.capacity))
     where = f"bf16, CUDA graphs, {torch.cuda.get_device_name()}" if cuda else "fp32, eager on the CPU"
+    for line in failed:
+        print(f"\n{line[:600]}")
     for label, rows, profiles, seconds, capacity in tables:
         print(f"\nSmolLM2 {where}; {label} ({seconds:.0f} s, graph captures included); {len(prompts)} MT-bench first "
               f"turns, {args.new_tokens} new tokens; medians of {args.repeats} replays per phase; width step "
@@ -217,6 +227,8 @@ def main() -> None:
                   f"| {'' if tau is None else f'{tau:.2f}'} |")
         if "verify" in profiles:
             print_profile(profiles["plain"], profiles["verify"][1], profiles["verify"][0])
+    if failed:
+        raise SystemExit(1)
 
 if __name__ == "__main__":
     main()

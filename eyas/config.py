@@ -171,8 +171,9 @@ class TrainConfig:
     keep_last: int = 2
     attention: str = "dense"  # dense | flex (FlexAttention, CUDA) | reference: the TTT attention kernel
     compile: bool = False  # torch.compile the unrolled draft step (CUDA only; ignored on CPU)
-    # with compile: also compile the soft cross-entropy's passes over the [N, Vd] logits (eager, most of the
-    # element-wise time of a SmolLM2-sized step on the H200); off until measured there (docs/PERFORMANCE.md)
+    # with compile: also compile the soft cross-entropy's passes over the [N, Vd] logits (eager, they were most
+    # of the element-wise time of a SmolLM2-sized step): 2.21x faster steps on an H200, same loss (the full
+    # preset turns it on; docs/PERFORMANCE.md, twelfth session). Costs about 80 s of compiling once
     compile_loss: bool = False
     val_samples: int = 0  # samples held out of training, scored every val_every steps (0 = none)
     val_every: int = 100  # optimizer steps between held-out scorings (and at the last step)
@@ -212,7 +213,8 @@ class EvalConfig:
     cuda_graphs: bool = True  # on a GPU, greedy chains, trees and plain decoding replay CUDA graphs (no effect on CPU)
     # on a GPU with eval.cuda_graphs, the draft's passes are compiled by torch.compile (inductor) before their
     # graphs are captured, so that their element-wise kernels fuse; it costs compile time at the first generation.
-    # An experiment, not yet measured (docs/PERFORMANCE.md); anywhere else eval refuses it
+    # An experiment: with torch 2.11 on an H200 inductor fails while compiling them (a dynamic-shape guard,
+    # docs/PERFORMANCE.md, twelfth session), so it stays off; anywhere but the CUDA-graph path eval refuses it
     compile_draft: bool = False
 
     def __post_init__(self):
@@ -300,7 +302,7 @@ def demo() -> RunConfig:
 
 
 def full() -> RunConfig:
-    """SmolLM2 on one GPU: 24,000 regenerated samples, a K = 7 draft, chains and a tree on two benchmarks."""
+    """SmolLM2 on one GPU: 27,000 regenerated samples, a K = 7 draft, chains and a tree on two benchmarks."""
     return RunConfig(
         name="full",
         target=TargetConfig(spec="smollm2"),
@@ -310,20 +312,23 @@ def full() -> RunConfig:
         # acceptance on its training prompts and 0.25 on MT-bench: most prompts are now chat requests the
         # target writes itself (data.self_prompts), 1,500 come from the corpus. Held-out acc_0: 0.45 with 5,000
         # samples x 4 epochs, 0.62 with 18,000 x 3 (MT-bench tau 2.67 with tree 16,4,48), 0.73 with 24,000 x 4
-        # (1,520 steps; tau 3.06): about 18 min end to end on an H200, 41.5 GiB of bf16 store (tenth session)
-        data=DataConfig(num_prompts=1500, self_prompts=22500, max_length=2048, regenerate="local",
+        # (1,520 steps; tau 3.06), 0.72 with 27,000 x 4 (1,712 steps; tau 2.98, 1.80x): 17.7 min end to end on an
+        # H200 with the compiled loss, 46.5 GiB of bf16 store (twelfth session; the device has 64 GiB of disk)
+        data=DataConfig(num_prompts=1500, self_prompts=25500, max_length=2048, regenerate="local",
                         regen_max_new_tokens=512, regen_batch_size=512, draft_vocab=32000),
         capture=CaptureConfig(dtype="bf16", shard_tokens=262144),
         # flex attention + torch.compile: 52.5 % MFU against 35.7 % for dense on an H200 (docs/PERFORMANCE.md)
-        # 24,000 samples make about 380 steps of 32,768 tokens per epoch. The first H200 run (65,536 tokens,
+        # 27,000 samples make about 430 steps of 32,768 tokens per epoch. The first H200 run (65,536 tokens,
         # 4 epochs, 284 steps, 200 of them warmup) stopped at acc_0 0.48 while still improving fast:
         # more, smaller steps and a short warmup (docs/PERFORMANCE.md)
         # 120 samples held out: the accuracy on the training batches (0.69) hid that the draft reached 0.24
         # on MT-bench; the held-out figure shows the gap while training
         train=TrainConfig(epochs=4, ttt=7, lr=5e-4, warmup_steps=40, batch_tokens=32768, log_every=20,
-                          save_every=1000, attention="flex", compile=True, val_samples=120, val_every=100),
+                          save_every=1000, attention="flex", compile=True, compile_loss=True, val_samples=120,
+                          val_every=100),
         # greedy chains, the tree and plain decoding replay CUDA graphs (one device read per cycle). The
-        # 24,000-sample draft: tree 16,4,48 1.69x / 1.50x (tau 3.06 / 2.64; tenth session). With the
+        # 27,000-sample draft: tree 16,4,48 1.80x / 1.61x (tau 2.98 / 2.65), 16,5,64 1.82x / 1.53x, 12,5,48
+        # 1.72x / 1.53x (twelfth session); the 24,000-sample draft: 16,4,48 1.69x / 1.50x (tenth). With the
         # 18,000-sample draft on the H200, over the full eval (MT-bench, HumanEval): tree 16,4,48 1.45x / 1.38x
         # (tau 2.67 / 2.51), 20,3,48 1.48x / 1.37x, 12,3,36 1.47x / 1.31x, 24,4,64 1.44x / 1.35x, 16,5,64 1.43x /
         # 1.31x, 12,4,48 1.42x / 1.28x: within a few percent of each other; 16,4,48 keeps the most tokens per

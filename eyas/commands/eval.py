@@ -53,7 +53,8 @@ def add_arguments(p) -> None:
                         "graphs (sampling is always eager)")
     p.add_argument("--compile-draft", action="store_true",
                    help="with CUDA graphs on a GPU, compile the draft's passes with torch.compile (inductor) before "
-                        "their graphs are captured (an experiment; compiling costs time at the first generation)")
+                        "their graphs are captured (an experiment: torch 2.11's inductor failed on them on an H200; "
+                        "compiling costs time at the first generation)")
     p.add_argument("--out", default="eval/result.json",
                    help="RESULT.json; with several benchmarks or settings, -BENCH-SETTING is added to the name")
     p.add_argument("--out-dir", help="write DIR/BENCH-SETTING.json and .png instead (the layout of a run's eval/)")
