@@ -221,6 +221,11 @@ class GraphDecoder:
             import torch._dynamo as dynamo
 
             dynamo.config.recompile_limit = max(dynamo.config.recompile_limit, 16)
+            # the cache stores never change size in a decoder: static, so that the buffers the pass writes have
+            # constant sizes (with symbolic ones, torch 2.11's Triton code generation added a guard on them that
+            # dynamo could not build, on an H200: docs/PERFORMANCE.md, twelfth session)
+            dynamo.mark_static(self.dcache.k_store)
+            dynamo.mark_static(self.dcache.v_store)
             self._draft_fn = torch.compile(draft_pass, backend=compile_draft, dynamic=True, fullgraph=True)
         self._set_width(capacity)
 
