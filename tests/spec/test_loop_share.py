@@ -1,0 +1,33 @@
+"""bench/loop_share.py: cycles split by whether their context repeats earlier output."""
+
+import importlib.util
+from pathlib import Path
+
+_spec = importlib.util.spec_from_file_location("loop_share", Path(__file__).resolve().parents[2] / "bench" / "loop_share.py")
+loop_share = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(loop_share)
+
+
+def test_cycles_after_a_repeated_context_count_as_repeats():
+    # the prefill commits token 0; then cycles of 3, 3, 3, 3 tokens over "1 2 3" said four times
+    tokens = [0] + [1, 2, 3] * 4
+    repeat, fresh = loop_share.split_cycles(tokens, [2, 2, 2, 2], n=3)
+    # contexts: [0] (short), [1 2 3] (first time), [1 2 3] (seen), [1 2 3] (seen)
+    assert fresh == [3, 3] and repeat == [3, 3]
+
+
+def test_a_context_is_not_its_own_earlier_occurrence_and_the_last_cycle_is_cut():
+    tokens = [0, 5, 6, 7, 8, 9]
+    repeat, fresh = loop_share.split_cycles(tokens, [1, 1, 4], n=2)
+    # cycles commit 2, 2 and then only the 1 token left; no 2-gram occurs twice
+    assert repeat == [] and fresh == [2, 2, 1]
+
+
+def test_the_summary_of_a_result_file(tmp_path):
+    path = tmp_path / "mt-bench-chain-3.json"
+    turn = {"tokens": [0] + [1, 2, 3] * 4, "accepted": [2, 2, 2, 2]}
+    path.write_text('{"prompts": [{"turns": [%s]}], "summary": {"speedup_vs_plain": 1.5}}'
+                    % str(turn).replace("'", '"'))
+    row = loop_share.summarise(path, 3)
+    assert row["cycles"] == 4 and row["tokens"] == 12 and row["repeat_cycle_share"] == 0.5
+    assert row["tau_repeat"] == row["tau_fresh"] == 3.0 and row["speedup"] == 1.5
