@@ -52,7 +52,7 @@ import time
 
 import torch
 
-from eyas.common import capture_cuda_graph
+from eyas.common import EyasError, capture_cuda_graph
 from eyas.draft.cache import DraftCache
 from eyas.draft.model import DraftOutput
 from eyas.spec.target import KVCache, TargetRunner, cache_geometry, varying_shape_attention
@@ -194,6 +194,7 @@ class GraphDecoder:
         p = next(model.parameters())
         self.device, self.runner, self.draft, self.capacity = p.device, runner, draft, capacity
         self.dtype, self.hidden_size = p.dtype, model.config.hidden_size
+        self.compile_draft = compile_draft
         self.graphs = graphs and self.device.type == "cuda"
         dev = self.device
         self.cache = StaticKVCache(*cache_geometry(model.config), capacity, p.dtype, dev)
@@ -226,7 +227,10 @@ class GraphDecoder:
             # dynamo could not build, on an H200: docs/PERFORMANCE.md, twelfth session)
             dynamo.mark_static(self.dcache.k_store)
             dynamo.mark_static(self.dcache.v_store)
-            self._draft_fn = torch.compile(draft_pass, backend=compile_draft, dynamic=True, fullgraph=True)
+            try:
+                self._draft_fn = torch.compile(draft_pass, backend=compile_draft, dynamic=True, fullgraph=True)
+            except dynamo.exc.TorchDynamoException as e:  # an unknown backend, say
+                raise self._compile_failed(e) from e
         self._set_width(capacity)
 
     # ---------------------------------------------------------------- attended widths
@@ -288,13 +292,22 @@ class GraphDecoder:
             mask = self.wcols[None, :] <= positions[:, None]  # [T, W]
         if self._draft_fn is not None and compiled:
             # one grad mode and contiguous inputs whoever calls: each difference would be another compilation
-            with torch.no_grad():
-                hidden_out, logits = self._draft_fn(self.draft, hidden.detach().contiguous(), ids.contiguous(),
-                                                    positions[None].contiguous(), mask.contiguous(),
-                                                    self.dcache.k_store, self.dcache.v_store,
-                                                    self.dcache.slots.contiguous(), self.width)
+            try:
+                with torch.no_grad():
+                    hidden_out, logits = self._draft_fn(self.draft, hidden.detach().contiguous(), ids.contiguous(),
+                                                        positions[None].contiguous(), mask.contiguous(),
+                                                        self.dcache.k_store, self.dcache.v_store,
+                                                        self.dcache.slots.contiguous(), self.width)
+            except torch._dynamo.exc.TorchDynamoException as e:  # compiling happens at the first calls
+                raise self._compile_failed(e) from e
             return DraftOutput(hidden_out, logits, self.dcache)
         return self.draft(hidden, ids, positions[None], past_key_values=self.dcache, attention_mask=mask)
+
+    def _compile_failed(self, e: Exception) -> EyasError:
+        first = " ".join([line.strip() for line in str(e).splitlines() if line.strip()][:2])[:300]
+        return EyasError(f"torch.compile (backend {self.compile_draft!r}) failed on the draft's pass: "
+                         f"{type(e).__name__}: {first}. Compiling the draft is an experiment (eval.compile_draft); "
+                         f"run without --compile-draft (or --set eval.compile_draft=false)")
 
     def _tree_mask(self, local: torch.Tensor) -> torch.Tensor:
         """[T, W]: every committed slot (< n), plus the slots n + j for which local [T, L] is True."""

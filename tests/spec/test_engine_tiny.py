@@ -147,6 +147,23 @@ def test_compile_draft_needs_the_static_path(tiny_target):
         SpecEngine(tiny_target.model, draft, aux, static=False, compile_draft="aot_eager")
 
 
+def test_a_draft_compile_that_fails_is_a_clear_error(tiny_target):
+    """A compiler failure in the draft's pass (torch 2.11's inductor on an H200 did fail) names the experiment
+    and the way out instead of ending in the compiler's own traceback; so does an unknown backend."""
+    from eyas.common import EyasError
+
+    def broken_backend(gm, example_inputs):
+        raise RuntimeError("no code for you")
+
+    draft, aux = untrained_draft(tiny_target)
+    engine = SpecEngine(tiny_target.model, draft, aux, static=True, compile_draft=broken_backend)
+    with pytest.raises(EyasError, match="failed on the draft's pass.*no code for you.*without --compile-draft"):
+        engine.generate(PROMPT, 8, steps=2)
+    engine = SpecEngine(tiny_target.model, draft, aux, static=True, compile_draft="no_such_backend")
+    with pytest.raises(EyasError, match="InvalidBackend.*without --compile-draft"):
+        engine.generate(PROMPT, 8, steps=2)
+
+
 def test_the_static_trees_argsort_is_stable_like_torch_sort():
     """The fixed-shape tree ranks candidates by counting (capturable in a CUDA graph); it must order them as
     a stable sort does, ties (equal scores, repeated depths, -inf log-probs) in index order."""
