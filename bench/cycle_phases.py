@@ -100,6 +100,17 @@ def print_profile(plain: dict[str, float], verify: dict[str, float], name: str, 
     print(f"| all operators | {a:.1f} | {b:.1f} | {b - a:+.1f} ({b / a:.2f}x) |")
 
 
+def print_operators(times: dict[str, float], name: str, rows: int = 16) -> None:
+    """The operators that take most of one pass's kernel time."""
+    total = sum(times.values())
+    print(f"\nkernel time of the {name} pass by operator (eager, {'GPU' if torch.cuda.is_available() else 'CPU'} "
+          f"microseconds; {total:.1f} in all)")
+    print("| operator | us per pass | share |")
+    print("|---|---|---|")
+    for k in sorted(times, key=lambda k: -times[k])[:rows]:
+        print(f"| {k} | {times[k]:.1f} | {100 * times[k] / total:.1f} % |")
+
+
 def measure(engine, prompts: list, eos: set, args, cuda: bool) -> tuple[list, dict]:
     """(table rows, kernel profiles) of the plain step and every setting's phases, decoding `prompts` first."""
     rows = []
@@ -151,8 +162,9 @@ def measure(engine, prompts: list, eos: set, args, cuda: bool) -> tuple[list, di
                     full[phase].append(timed(dec._at(b, dec.capacity)[phase], reset, args.repeats, cuda))
                     per[phase].append(timed(dec._at(b, max(1, n0 - room) + room)[phase], reset, args.repeats, cuda))
                 if args.profile and "verify" not in profiles:
-                    verify = dec._at(b, max(1, n0 - room) + room)["verify"]
-                    profiles["verify"] = (name, kernel_times(verify.fn, reset, 10, cuda))
+                    passes = dec._at(b, max(1, n0 - room) + room)
+                    profiles["verify"] = (name, kernel_times(passes["verify"].fn, reset, 10, cuda))
+                    profiles["draft"] = (f"{name} {draft_phase}", kernel_times(passes[draft_phase].fn, reset, 10, cuda))
             finally:
                 engine.runner.detach()
         med = {key: statistics.median(v) for key, v in per.items()}
@@ -177,7 +189,7 @@ def main() -> None:
     p.add_argument("--width-step", type=int, default=None,
                    help="attended widths in steps of this many cache slots (default: eyas.spec.graphs.WIDTH_STEP)")
     p.add_argument("--profile", action="store_true",
-                   help="also profile the plain step and the first setting's verify pass by operator")
+                   help="also profile the plain step, the first setting's verify pass and its draft pass by operator")
     p.add_argument("--compile-draft", metavar="BACKEND", default=None,
                    help="then everything again with the draft's passes compiled by this torch.compile backend "
                         "(inductor; SpecEngine's compile_draft, eyas eval --compile-draft), side by side")
@@ -227,6 +239,7 @@ def main() -> None:
                   f"| {'' if tau is None else f'{tau:.2f}'} |")
         if "verify" in profiles:
             print_profile(profiles["plain"], profiles["verify"][1], profiles["verify"][0])
+            print_operators(profiles["draft"][1], profiles["draft"][0])
     if failed:
         raise SystemExit(1)
 
