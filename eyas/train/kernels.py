@@ -44,7 +44,8 @@ _cached_causal_bias = functools.lru_cache(maxsize=8)(_causal_bias)
 
 
 def dense_attention(q, k0, v0, diag_k, diag_v, scale: float) -> torch.Tensor:
-    """q [B, nh, T, d]; k0, v0 [B, nkv, T, d]; diag_k/diag_v lists of k tensors [B, nkv, T, d] -> [B, T, nh*d]."""
+    """q [B, nh, T, d]; k0, v0 [B, nkv, T, d]; diag_k/diag_v the k diagonal keys and values stacked,
+    [B, nkv, T, k, d], or None (k = 0) -> [B, T, nh*d]."""
     b, nh, t, d = q.shape
     nkv = k0.shape[1]
     g = nh // nkv
@@ -53,16 +54,14 @@ def dense_attention(q, k0, v0, diag_k, diag_v, scale: float) -> torch.Tensor:
     dtype = torch.get_autocast_dtype(q.device.type) if torch.is_autocast_enabled(q.device.type) else q.dtype
     bias = causal_bias(t, g, q.device, dtype)  # [1, g*T, T]
     scores = torch.baddbmm(bias, qg, kt, alpha=scale).view(b, nkv, g, t, t)  # masked, scaled, one GEMM
-    if diag_k:
-        kd = torch.stack(diag_k, dim=3)  # [B, nkv, T, k, d]
-        sd = torch.einsum("bngtd,bntkd->bngtk", q.view(b, nkv, g, t, d), kd) * scale  # [B, nkv, g, T, k]
+    if diag_k is not None:
+        sd = torch.einsum("bngtd,bntkd->bngtk", q.view(b, nkv, g, t, d), diag_k) * scale  # [B, nkv, g, T, k]
         scores = torch.cat([scores, sd.to(scores.dtype)], dim=-1)
     probs = scores.softmax(dim=-1, dtype=torch.float32)  # one fp32 softmax over T + k keys
     out = probs[..., :t].to(v0.dtype).view(b * nkv, g * t, t) @ v0.reshape(b * nkv, t, d)  # [B*nkv, g*T, d]
     out = out.view(b, nkv, g, t, d)
-    if diag_v:
-        vd = torch.stack(diag_v, dim=3)  # [B, nkv, T, k, d]
-        out = out + torch.einsum("bngtk,bntkd->bngtd", probs[..., t:].to(vd.dtype), vd)
+    if diag_v is not None:
+        out = out + torch.einsum("bngtk,bntkd->bngtd", probs[..., t:].to(diag_v.dtype), diag_v)
     return out.reshape(b, nh, t, d).transpose(1, 2).reshape(b, t, nh * d)
 
 
@@ -88,8 +87,11 @@ def flex_attention_step(q, k0, v0, diag_k, diag_v, scale: float, block_mask) -> 
     from torch.nn.attention.flex_attention import flex_attention
 
     b, nh, t, d = q.shape
-    keys = torch.cat([k0, *diag_k], dim=2)  # [B, nkv, (k+1)*T, d]
-    values = torch.cat([v0, *diag_v], dim=2)
+    keys, values = k0, v0
+    if diag_k is not None:  # [B, nkv, T, k, d] -> the blocks k1..kk after k0: [B, nkv, (k+1)*T, d]
+        nkv, k = diag_k.shape[1], diag_k.shape[3]
+        keys = torch.cat([k0, diag_k.transpose(2, 3).reshape(b, nkv, k * t, d)], dim=2)
+        values = torch.cat([v0, diag_v.transpose(2, 3).reshape(b, nkv, k * t, d)], dim=2)
     fn = flex_attention
     if q.device.type == "cuda" and not torch.compiler.is_compiling():
         if _compiled_flex is None:

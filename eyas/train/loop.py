@@ -50,9 +50,10 @@ class TTTModule(nn.Module):
         # them (the other backends are for tracing tests)
         self.compiled_ce = compile and compile_loss and compile_backend == "inductor"
         if compile:
-            # each unrolled step is its own graph (step 0 has no diagonal keys, step k has k of them), plus
-            # the variants of the backward and of the last, shorter batch: dynamo's default limit of 8 graphs
-            # per function sent the later steps of K = 7 back to eager mode on the H200
+            # the unrolled steps make four graphs (steps 0, 1 and 2 have 0, 0 and 1 earlier diagonal keys, the
+            # later ones a dynamic count), plus variants of the backward and of the last, shorter batch: dynamo's default
+            # limit of 8 graphs per function sent the later steps of K = 7 back to eager mode on the H200 when
+            # each step was its own graph; the limit stays generous
             import torch._dynamo as dynamo
 
             dynamo.config.recompile_limit = max(dynamo.config.recompile_limit, 4 * (ttt + 1))

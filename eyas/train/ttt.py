@@ -85,12 +85,22 @@ def reference_attention(q, k0, v0, diag_k, diag_v, causal, scale):
     return out.reshape(b, nh, t, d).transpose(1, 2).reshape(b, t, nh * d)
 
 
-def draft_step(draft: Eagle3Draft, h, ids_k, cos, sin, k0, v0, diag_k: list, diag_v: list, attention: str,
+def stack_diagonal(stacked, new: torch.Tensor) -> torch.Tensor:
+    """The diagonal keys (or values) so far [B, nkv, T, j, d] (None for j = 0) with `new` [B, nkv, T, d] after
+    them -> [B, nkv, T, j + 1, d]."""
+    new = new.unsqueeze(3)
+    return new if stacked is None else torch.cat([stacked, new], dim=3)
+
+
+def draft_step(draft: Eagle3Draft, h, ids_k, cos, sin, k0, v0, diag_k, diag_v, attention: str,
                block_mask=None):
     """One unrolled step of the draft layer over all anchors -> (pre-norm output [B, T, H], new k, new v).
 
-    `k0`/`v0` are None at step 0 (the step's own keys are then the causal step-0 keys). A plain function of
-    the draft so that it can be torch.compile'd from outside (TTTModule(compile=True)).
+    `k0`/`v0` are None at step 0 (the step's own keys are then the causal step-0 keys). `diag_k`/`diag_v`:
+    the diagonal keys and values of the steps after 0 before this one, stacked [B, nkv, T, j, d], or None.
+    One tensor rather than a list, so that under torch.compile the steps from 3 on share one graph (a list's
+    length is part of a graph; a dimension marked dynamic is not). A plain function of the draft so that it
+    can be torch.compile'd from outside (TTTModule(compile=True)).
     """
     layer = draft.layers[0]
     attn = layer.self_attn
@@ -99,12 +109,13 @@ def draft_step(draft: Eagle3Draft, h, ids_k, cos, sin, k0, v0, diag_k: list, dia
     if k0 is None:
         k0, v0 = kk, vv
     else:
-        diag_k, diag_v = [*diag_k, kk], [*diag_v, vv]
+        diag_k, diag_v = stack_diagonal(diag_k, kk), stack_diagonal(diag_v, vv)
     scale = 1.0 / math.sqrt(draft.cfg.head_dim)
     if attention == "reference":
         t = q.shape[2]
         causal = torch.ones(t, t, dtype=torch.bool, device=q.device).tril()
-        out = reference_attention(q, k0, v0, diag_k, diag_v, causal, scale)
+        listed = [] if diag_k is None else list(diag_k.unbind(3)), [] if diag_v is None else list(diag_v.unbind(3))
+        out = reference_attention(q, k0, v0, *listed, causal, scale)
     elif attention == "flex":
         out = flex_attention_step(q, k0, v0, diag_k, diag_v, scale, block_mask)
     else:
@@ -117,7 +128,10 @@ def _dynamic(*tensors, block_mask=None) -> None:
 
     Otherwise the compiler specialises the first graph of each unrolled step on the first batch's shape
     and compiles all K steps again, dynamic, when a dimension first changes. Inputs are [B, T, ...] (hidden
-    states, ids, rope tables) or [B, heads, T, d]; a flex block mask's block counts ([1, 1, T/128] and
+    states, ids, rope tables), [B, heads, T, d], or the stacked diagonal keys and values [B, heads, T, j, d],
+    whose j grows by one per step (dynamo always specialises a size of 1, so steps 0, 1, 2 and 3.. make four
+    graphs, where a list of diagonal keys made one per step);
+    a flex block mask's block counts ([1, 1, T/128] and
     [1, 1, T/128, (k+1)T/128]) follow T. For flex this is not enough alone: the length is tied to the block
     mask's lengths, plain ints, so TTTModule also compiles flex steps with `dynamic=True`; the marks keep
     dynamo from tying the batch size to a block count of the same value (its "duck sizing").
@@ -128,7 +142,9 @@ def _dynamic(*tensors, block_mask=None) -> None:
         if x is None:
             continue
         dynamo.maybe_mark_dynamic(x, 0)
-        dynamo.maybe_mark_dynamic(x, 2 if x.dim() == 4 else 1)
+        dynamo.maybe_mark_dynamic(x, 2 if x.dim() >= 4 else 1)
+        if x.dim() == 5:
+            dynamo.maybe_mark_dynamic(x, 3)
     if block_mask is not None:
         for name in ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices",
                      "q_num_blocks", "q_indices", "full_q_num_blocks", "full_q_indices"):
@@ -210,8 +226,7 @@ def ttt_forward(draft: Eagle3Draft, batch: dict, lm_head_weight: torch.Tensor, t
     anchors_k = valid.nonzero()[:, 1].split(counts)  # K tensors [N_k] of flat positions
 
     pos = torch.arange(t, device=ids.device).expand(b, t)  # [B, T]
-    k0 = v0 = None
-    diag_k, diag_v = [], []
+    k0 = v0 = diag_k = diag_v = None
     loss = h.new_zeros((), dtype=torch.float32)
     stats = torch.zeros(3, ttt, dtype=torch.float64, device=ids.device)
     logits_k = [] if return_logits else None
@@ -219,14 +234,13 @@ def ttt_forward(draft: Eagle3Draft, batch: dict, lm_head_weight: torch.Tensor, t
         cos, sin = rope_cos_sin(cfg, pos + k, h.dtype)
         mask = ttt_block_mask(t, k, ids.device) if attention == "flex" else None
         ids_k = shift_left(ids, 1 + k)
-        if step_fn is not draft_step:  # compiled: one graph per unrolled step (see _dynamic)
-            _dynamic(h, ids_k, cos, sin, k0, v0, *diag_k, *diag_v, block_mask=mask)
+        if step_fn is not draft_step:  # compiled: four graphs for the K unrolled steps (see _dynamic)
+            _dynamic(h, ids_k, cos, sin, k0, v0, diag_k, diag_v, block_mask=mask)
         h, kk, vv = step_fn(draft, h, ids_k, cos, sin, k0, v0, diag_k, diag_v, attention, mask)
         if k == 0:
             k0, v0 = kk, vv
         else:
-            diag_k.append(kk)
-            diag_v.append(vv)
+            diag_k, diag_v = stack_diagonal(diag_k, kk), stack_diagonal(diag_v, vv)
 
         anchors = anchors_k[k]
         rows = target.row_of[anchors + 1 + k]
