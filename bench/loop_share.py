@@ -8,7 +8,9 @@ over text that does not repeat. This reads `eyas eval` result files (each turn's
 tokens accepted per cycle) and splits the cycles in two: a cycle is "in a repeat" when the `--ngram` tokens
 just before it already occurred, in that order, earlier in the same turn's output (its context is a repeat,
 so what it drafts continues one). It prints, per result file, the share of cycles and tokens in repeats and
-tau inside and outside them. No model is loaded: it runs anywhere in a second.
+tau inside and outside them. No model is loaded: it runs anywhere in a second. (`eyas eval` reports the same
+split for 8-token contexts in each summary since it was written; this reads older result files too and takes
+other context lengths.)
 """
 
 from __future__ import annotations
@@ -17,25 +19,7 @@ import argparse
 import json
 from pathlib import Path
 
-
-def split_cycles(tokens: list[int], accepted: list[int], n: int) -> tuple[list[int], list[int]]:
-    """Tokens committed per cycle, split into (cycles whose n-token context repeats an n-gram that ended earlier
-    in the output, the other cycles). The prefill commits the first token; each cycle commits its accepted
-    drafts plus one token of the target's (the last cycle may be cut by the token limit or the end of text)."""
-    seen: set[tuple[int, ...]] = set()
-    repeat, fresh = [], []
-    start, added = 1, n  # n-grams tokens[e - n:e] for e < added are in `seen`
-    for a in accepted:
-        committed = min(a + 1, len(tokens) - start)
-        if committed <= 0:
-            break
-        for end in range(added, start):  # every n-gram that ends before this cycle's context does
-            seen.add(tuple(tokens[end - n:end]))
-        added = max(added, start)
-        context = tuple(tokens[start - n:start]) if start >= n else None
-        (repeat if context in seen else fresh).append(committed)
-        start += committed
-    return repeat, fresh
+from eyas.spec.stats import repeat_split
 
 
 def summarise(path: Path, n: int) -> dict:
@@ -43,7 +27,7 @@ def summarise(path: Path, n: int) -> dict:
     repeat, fresh = [], []
     for prompt in data["prompts"]:
         for turn in prompt["turns"]:
-            r, f = split_cycles(turn["tokens"], turn["accepted"], n)
+            r, f = repeat_split(turn["tokens"], turn["accepted"], n)
             repeat += r
             fresh += f
     cycles = len(repeat) + len(fresh)

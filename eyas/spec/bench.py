@@ -16,7 +16,7 @@ from pathlib import Path
 
 from eyas.common import EyasError, atomic_write_json, print0, progress, sha256_json
 from eyas.spec.engine import SpecEngine
-from eyas.spec.stats import format_summary, plot_acceptance, summarize
+from eyas.spec.stats import format_summary, plot_acceptance, repeat_summary, summarize
 
 BUILTIN = ("mt-bench", "humaneval")
 
@@ -251,8 +251,9 @@ def bench_one(engine, target, bench: str, settings, temperature: float, max_new_
         if hf:
             summary["hf_tokens_per_s"] = baseline["hf_tokens_per_s"]
             summary["speedup_vs_hf"] = summary["tokens_per_s"] / baseline["hf_tokens_per_s"]
+        turns = [t for r in records for t in r["turns"]]
+        summary.update(repeat_summary(turns))  # how much of tau comes from the target repeating itself
         if temperature == 0:
-            turns = [t for r in records for t in r["turns"]]
             summary["plain_mismatches"] = sum(t["tokens"] != p for t, p in zip(turns, baseline["plain_tokens"]))
         summary["wall_s"] = time.perf_counter() - started  # this setting's decoding and the baselines it ran
         for r in records:  # the context ids stay in the file: with them anyone can re-run plain decoding

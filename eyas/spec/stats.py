@@ -43,6 +43,45 @@ def summarize(requests: list[dict], depth: int) -> dict:
     }
 
 
+REPEAT_NGRAM = 8  # the context length that makes a cycle "in a repeat" (repeat_split)
+
+
+def repeat_split(tokens: list[int], accepted: list[int], n: int = REPEAT_NGRAM) -> tuple[list[int], list[int]]:
+    """Tokens committed per cycle of one turn, split into (cycles whose n-token context repeats an n-gram that
+    ended earlier in the turn's output, the other cycles). A small target decoding greedily falls into loops,
+    and a draft predicts a loop almost perfectly: tau over repeats says little about tau elsewhere. The
+    prefill commits the first token; each cycle its accepted drafts plus one token of the target's (the last
+    cycle may be cut by the token limit or the end of text)."""
+    seen: set[tuple[int, ...]] = set()
+    repeat, fresh = [], []
+    start, added = 1, n  # n-grams tokens[e - n:e] for e < added are in `seen`
+    for a in accepted:
+        committed = min(a + 1, len(tokens) - start)
+        if committed <= 0:
+            break
+        for end in range(added, start):  # every n-gram that ends before this cycle's context does
+            seen.add(tuple(tokens[end - n:end]))
+        added = max(added, start)
+        context = tuple(tokens[start - n:start]) if start >= n else None
+        (repeat if context in seen else fresh).append(committed)
+        start += committed
+    return repeat, fresh
+
+
+def repeat_summary(turns: list[dict], n: int = REPEAT_NGRAM) -> dict:
+    """Over turns [{"tokens", "accepted"}]: the share of committed tokens in repeats (repeat_split) and tau
+    inside and outside them (None where there are no such cycles)."""
+    repeat, fresh = [], []
+    for t in turns:
+        r, f = repeat_split(t["tokens"], t["accepted"], n)
+        repeat += r
+        fresh += f
+    tokens = sum(repeat) + sum(fresh)
+    return {"repeat_token_share": sum(repeat) / tokens if tokens else 0.0,
+            "tau_in_repeats": sum(repeat) / len(repeat) if repeat else None,
+            "tau_elsewhere": sum(fresh) / len(fresh) if fresh else None}
+
+
 def plot_acceptance(summary: dict, title: str, path) -> None:
     """A bar chart of unconditional and conditional acceptance per draft position."""
     import matplotlib
@@ -78,6 +117,9 @@ def format_summary(name: str, s: dict) -> str:
                                                  "draft/verify split not timed (cycles queued ahead), ")
         + f"prefill {s['prefill_s']:.1f} s",
     ]
+    if s.get("tau_elsewhere") is not None and s.get("tau_in_repeats") is not None:
+        lines.append(f"  {100 * s['repeat_token_share']:.0f} % of the tokens follow a context the answer already "
+                     f"had: tau {s['tau_in_repeats']:.2f} there, {s['tau_elsewhere']:.2f} elsewhere")
     if "speedup_vs_plain" in s:
         line = f"  speedup {s['speedup_vs_plain']:.2f}x vs plain decoding ({s['plain_tokens_per_s']:.1f} tok/s)"
         if "speedup_vs_hf" in s:

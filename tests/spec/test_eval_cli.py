@@ -49,6 +49,8 @@ def test_eval_cli_on_jsonl(tmp_path, tiny_target, capsys):
     assert len(turn["tokens"]) <= 6 and turn["num_cycles"] == len(turn["accepted"])
     assert s["tau_pooled"] == pytest.approx(s["num_tokens"] / s["num_cycles"], rel=0.3)  # first token is prefill's
     assert len(s["accept_at_position"]) == 2 and "speedup_vs_plain" in s and "speedup_vs_hf" in s
+    # 6-token answers hold no 8-token context: every cycle is outside repeats
+    assert s["repeat_token_share"] == 0 and s["tau_in_repeats"] is None and s["tau_elsewhere"] >= 1
     printed = capsys.readouterr().out
     assert "tau" in printed and "speedup" in printed
     # the file alone is enough to check losslessness: its context ids, decoded plainly, give its tokens

@@ -1,7 +1,10 @@
-"""bench/loop_share.py: cycles split by whether their context repeats earlier output."""
+"""eyas.spec.stats.repeat_split (eval summaries) and bench/loop_share.py: cycles split by whether their
+context repeats earlier output."""
 
 import importlib.util
 from pathlib import Path
+
+from eyas.spec.stats import format_summary, repeat_summary, repeat_split
 
 _spec = importlib.util.spec_from_file_location("loop_share", Path(__file__).resolve().parents[2] / "bench" / "loop_share.py")
 loop_share = importlib.util.module_from_spec(_spec)
@@ -11,14 +14,14 @@ _spec.loader.exec_module(loop_share)
 def test_cycles_after_a_repeated_context_count_as_repeats():
     # the prefill commits token 0; then cycles of 3, 3, 3, 3 tokens over "1 2 3" said four times
     tokens = [0] + [1, 2, 3] * 4
-    repeat, fresh = loop_share.split_cycles(tokens, [2, 2, 2, 2], n=3)
+    repeat, fresh = repeat_split(tokens, [2, 2, 2, 2], n=3)
     # contexts: [0] (short), [1 2 3] (first time), [1 2 3] (seen), [1 2 3] (seen)
     assert fresh == [3, 3] and repeat == [3, 3]
 
 
 def test_a_context_is_not_its_own_earlier_occurrence_and_the_last_cycle_is_cut():
     tokens = [0, 5, 6, 7, 8, 9]
-    repeat, fresh = loop_share.split_cycles(tokens, [1, 1, 4], n=2)
+    repeat, fresh = repeat_split(tokens, [1, 1, 4], n=2)
     # cycles commit 2, 2 and then only the 1 token left; no 2-gram occurs twice
     assert repeat == [] and fresh == [2, 2, 1]
 
@@ -31,3 +34,14 @@ def test_the_summary_of_a_result_file(tmp_path):
     row = loop_share.summarise(path, 3)
     assert row["cycles"] == 4 and row["tokens"] == 12 and row["repeat_cycle_share"] == 0.5
     assert row["tau_repeat"] == row["tau_fresh"] == 3.0 and row["speedup"] == 1.5
+
+
+def test_eval_summaries_carry_the_split_and_print_it():
+    turns = [{"tokens": [0] + [1, 2, 3] * 4, "accepted": [2, 2, 2, 2]}, {"tokens": [0, 5, 6], "accepted": [1]}]
+    got = repeat_summary(turns, 3)
+    assert got == {"repeat_token_share": 6 / 14, "tau_in_repeats": 3.0, "tau_elsewhere": 8 / 3}
+    summary = {"tau_pooled": 2.0, "tau_per_request": 2.0, "num_tokens": 15, "num_cycles": 5, "num_requests": 1,
+               "accept_at_position": [0.5], "tokens_per_s": 1.0, "draft_s": 0, "verify_s": 0, "prefill_s": 0, **got}
+    assert "43 % of the tokens follow a context the answer already had: tau 3.00 there, 2.67 elsewhere" in \
+        format_summary("x", summary)
+    assert repeat_summary([], 3) == {"repeat_token_share": 0.0, "tau_in_repeats": None, "tau_elsewhere": None}
