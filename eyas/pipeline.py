@@ -513,6 +513,7 @@ def eval_results(run: Path) -> list[dict]:
                      "tau_request": _first(s, "tau_per_request"),
                      "per_position": _first(s, "accept_at_position", "per_position") or [],
                      "speedup": _first(s, "speedup_vs_plain", "speedup"),
+                     "repeats": _first(s, "repeat_token_share"), "tau_elsewhere": _first(s, "tau_elsewhere"),
                      "png": path.with_suffix(".png") if path.with_suffix(".png").exists() else None})
     return rows
 
@@ -591,12 +592,15 @@ def write_report(run: Path, cfg: RunConfig, state: dict) -> list[str]:
         if (run / "train" / "curves.png").exists():
             md += ["", "![training curves](train/curves.png)"]
     rows = eval_results(run)
-    if rows:
-        md += ["", "## Speculative decoding", "", "| benchmark-setting | tau | tau per request | speedup |",
-               "|---|---|---|---|"]
+    if rows:  # "repeated context": the 8 tokens before a cycle already stood in the answer (eyas.spec.stats)
+        md += ["", "## Speculative decoding", "",
+               "| benchmark-setting | tau | tau per request | tokens after a repeated context | tau elsewhere | speedup |",
+               "|---|---|---|---|---|---|"]
         for r in rows:
             fmt = lambda v: f"{v:.3f}" if isinstance(v, (int, float)) else "?"  # noqa: E731
-            md.append(f"| {r['name']} | {fmt(r['tau'])} | {fmt(r['tau_request'])} | {fmt(r['speedup'])} |")
+            share = f"{100 * r['repeats']:.0f} %" if isinstance(r["repeats"], (int, float)) else "?"
+            md.append(f"| {r['name']} | {fmt(r['tau'])} | {fmt(r['tau_request'])} | {share} | "
+                      f"{fmt(r['tau_elsewhere'])} | {fmt(r['speedup'])} |")
             summary.append(f"eval     {r['name']}: tau {fmt(r['tau'])}, speedup {fmt(r['speedup'])}")
         pngs = [r["png"] for r in rows if r["png"]] or [p for p in [_acceptance_png(run, rows)] if p]
         md += [""] + [f"![per-position acceptance]({p.relative_to(run)})" for p in pngs]
