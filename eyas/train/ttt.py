@@ -130,9 +130,8 @@ def _dynamic(*tensors, block_mask=None) -> None:
     and compiles all K steps again, dynamic, when a dimension first changes. Inputs are [B, T, ...] (hidden
     states, ids, rope tables), [B, heads, T, d], or the stacked diagonal keys and values [B, heads, T, j, d],
     whose j grows by one per step (dynamo always specialises a size of 1, so steps 0, 1, 2 and 3.. make four
-    graphs, where a list of diagonal keys made one per step);
-    a flex block mask's block counts ([1, 1, T/128] and
-    [1, 1, T/128, (k+1)T/128]) follow T. For flex this is not enough alone: the length is tied to the block
+    graphs, where a list of diagonal keys made one per step); a flex block mask's block counts ([1, 1, T/128]
+    and [1, 1, T/128, (k+1)T/128]) follow T. For flex this is not enough alone: the length is tied to the block
     mask's lengths, plain ints, so TTTModule also compiles flex steps with `dynamic=True`; the marks keep
     dynamo from tying the batch size to a block count of the same value (its "duck sizing").
     """
