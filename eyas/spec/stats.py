@@ -47,30 +47,28 @@ REPEAT_NGRAM = 8  # the context length that makes a cycle "in a repeat" (repeat_
 
 
 def repeat_split(tokens: list[int], accepted: list[int], n: int = REPEAT_NGRAM) -> tuple[list[int], list[int]]:
-    """Tokens committed per cycle of one turn, split into (cycles whose n-token context repeats an n-gram that
-    ended earlier in the turn's output, the other cycles). A small target decoding greedily falls into loops,
-    and a draft predicts a loop almost perfectly: tau over repeats says little about tau elsewhere. The
-    prefill commits the first token; each cycle its accepted drafts plus one token of the target's (the last
-    cycle may be cut by the token limit or the end of text)."""
+    """Each cycle's tau (accepted drafts + 1, as in tau_pooled) of one turn, split into (cycles whose n-token
+    context repeats an n-gram that ended earlier in the turn's output, the other cycles). A small target
+    decoding greedily falls into loops, and a draft predicts a loop almost perfectly: tau over repeats says
+    little about tau elsewhere. The prefill commits the first token; each cycle its accepted drafts plus one
+    token of the target's (the last cycle's may be cut by the token limit or the end of text)."""
     seen: set[tuple[int, ...]] = set()
     repeat, fresh = [], []
     start, added = 1, n  # n-grams tokens[e - n:e] for e < added are in `seen`
     for a in accepted:
-        committed = min(a + 1, len(tokens) - start)
-        if committed <= 0:
-            break
         for end in range(added, start):  # every n-gram that ends before this cycle's context does
             seen.add(tuple(tokens[end - n:end]))
         added = max(added, start)
         context = tuple(tokens[start - n:start]) if start >= n else None
-        (repeat if context in seen else fresh).append(committed)
-        start += committed
+        (repeat if context in seen else fresh).append(a + 1)
+        start = min(start + a + 1, len(tokens))
     return repeat, fresh
 
 
 def repeat_summary(turns: list[dict], n: int = REPEAT_NGRAM) -> dict:
-    """Over turns [{"tokens", "accepted"}]: the share of committed tokens in repeats (repeat_split) and tau
-    inside and outside them (None where there are no such cycles)."""
+    """Over turns [{"tokens", "accepted"}]: the share of tokens (cycles x their tau) in repeats (repeat_split)
+    and tau inside and outside them (None where there are no such cycles); with no repeats tau_elsewhere is
+    tau_pooled."""
     repeat, fresh = [], []
     for t in turns:
         r, f = repeat_split(t["tokens"], t["accepted"], n)

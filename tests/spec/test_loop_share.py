@@ -19,11 +19,12 @@ def test_cycles_after_a_repeated_context_count_as_repeats():
     assert fresh == [3, 3] and repeat == [3, 3]
 
 
-def test_a_context_is_not_its_own_earlier_occurrence_and_the_last_cycle_is_cut():
+def test_a_context_is_not_its_own_earlier_occurrence_and_a_cut_cycle_keeps_its_tau():
     tokens = [0, 5, 6, 7, 8, 9]
     repeat, fresh = repeat_split(tokens, [1, 1, 4], n=2)
-    # cycles commit 2, 2 and then only the 1 token left; no 2-gram occurs twice
-    assert repeat == [] and fresh == [2, 2, 1]
+    # cycles commit 2, 2 and (cut by the token limit) 1, with tau 2, 2 and 5 as tau_pooled counts them;
+    # no 2-gram occurs twice
+    assert repeat == [] and fresh == [2, 2, 5]
 
 
 def test_the_summary_of_a_result_file(tmp_path):
@@ -45,3 +46,13 @@ def test_eval_summaries_carry_the_split_and_print_it():
     assert "43 % of the tokens follow a context the answer already had: tau 3.00 there, 2.67 elsewhere" in \
         format_summary("x", summary)
     assert repeat_summary([], 3) == {"repeat_token_share": 0.0, "tau_in_repeats": None, "tau_elsewhere": None}
+
+
+def test_without_repeats_tau_elsewhere_is_tau_pooled():
+    from eyas.spec.stats import summarize
+
+    turns = [{"tokens": list(range(20)), "accepted": [2, 0, 3, 1, 4, 2, 5]}]  # the last cycle cut at 20 tokens
+    stats = [{"accepted": t["accepted"], "num_tokens": 20, "draft_s": 0, "verify_s": 0, "prefill_s": 0,
+              "total_s": 1.0} for t in turns]
+    got = repeat_summary(turns, 3)
+    assert got["repeat_token_share"] == 0 and got["tau_elsewhere"] == summarize(stats, 3)["tau_pooled"]
