@@ -257,7 +257,7 @@ def build_engine(target, draft_path, aux_layers=None, cuda_graphs: bool = False,
         # refused, not ignored: whoever asked for it would otherwise time the eager draft unawares
         raise EyasError(f"eval.compile_draft needs a CUDA target with eval.cuda_graphs=true (the target is on "
                         f"{target.device}, eval.cuda_graphs={str(cuda_graphs).lower()}); drop --compile-draft "
-                        f"or --set eval.compile_draft=true")
+                        f"(or --set eval.compile_draft=false)")
     draft, meta = load_draft(draft_path, embed_tokens=target.embed_tokens.weight)
     meta["weights_stamp"] = weights_stamp(draft_path)
     dc = draft.cfg

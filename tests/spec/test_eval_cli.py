@@ -105,7 +105,7 @@ def test_compile_draft_without_the_static_path_is_refused(tmp_path, tiny_target,
                "--compile-draft", "--out", str(tmp_path / "r.json")])
     err = capsys.readouterr().err
     assert rc == 2 and "eval.compile_draft needs a CUDA target with eval.cuda_graphs=true" in err
-    assert "drop --compile-draft" in err and not (tmp_path / "r.json").exists()
+    assert "drop --compile-draft (or --set eval.compile_draft=false)" in err and not (tmp_path / "r.json").exists()
     with pytest.raises(EyasError, match="eval.cuda_graphs=false"):
         build_engine(tiny_target, step, cuda_graphs=False, compile_draft=True)
 
