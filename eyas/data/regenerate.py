@@ -22,7 +22,7 @@ from typing import Callable, Iterable, Iterator
 
 import torch
 
-from eyas.common import progress
+from eyas.common import EyasError, format_bytes, progress, warn
 
 
 # ---------------------------------------------------------------- the results file
@@ -217,11 +217,36 @@ class _GroupedDecode:
 
 GRAPH_WIDTH_STEP = 128  # with CUDA graphs, decoding attends over a multiple of this many columns (one graph each)
 PREFILL_TOKENS = 1 << 16  # padded prompt tokens per prefill pass when slots are refilled
+# of the device memory free when decoding starts, the share the slots may hold (their caches, last logits and
+# outputs); the rest is for the passes' activations (a prefill of PREFILL_TOKENS tokens) and the CUDA graphs
+SLOT_MEMORY_SHARE = 0.6
+
+
+def slot_bytes(config, capacity: int, dtype: torch.dtype, vocab: int, max_new_tokens: int) -> int:
+    """Device bytes one decoding slot of `capacity` columns holds: its keys and values in every layer (the
+    geometry of _SlotCache), its last logits (fp32) and its outputs."""
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    kv = 2 * config.num_hidden_layers * kv_heads * capacity * head_dim * torch.empty((), dtype=dtype).element_size()
+    return kv + 4 * vocab + 8 * max_new_tokens
+
+
+def slots_that_fit(wanted: int, per_slot: int, free_bytes: int, capacity: int) -> int:
+    """How many of `wanted` slots fit in SLOT_MEMORY_SHARE of `free_bytes`; a clear error if not even one."""
+    fit = min(wanted, int(free_bytes * SLOT_MEMORY_SHARE) // per_slot)
+    if fit < 1:
+        raise EyasError(f"regeneration: one decoding slot of {capacity} tokens (the longest prompt + "
+                        f"data.regen_max_new_tokens) needs {format_bytes(per_slot)} and {format_bytes(free_bytes)} "
+                        f"of device memory is free; lower data.max_length or data.regen_max_new_tokens, or free "
+                        f"the device (`eyas gpus` lists who holds it)")
+    return fit
 
 
 def generate_stream(model, prompts: list[list[int]], *, max_new_tokens: int, stop_ids: list[int], pad_id: int,
                     slots: int, temperature: float = 0.0, generator: torch.Generator | None = None,
-                    check_every: int = 16, cuda_graphs: bool = True) -> Iterator[list[tuple[int, dict]]]:
+                    check_every: int = 16, cuda_graphs: bool = True,
+                    free_bytes: int | None = None) -> Iterator[list[tuple[int, dict]]]:
     """Continuous batching: generate for every prompt, `slots` rows at a time; yields lists of
     (prompt index, {tokens, finish: "stop"|"length"}) as rows finish (not in input order).
 
@@ -231,10 +256,30 @@ def generate_stream(model, prompts: list[list[int]], *, max_new_tokens: int, sto
     then prefills the next prompts into the free slots; the tokens stay on the device until a row is
     read. On CUDA (`cuda_graphs`), a decoding step is replayed as a CUDA graph: eagerly a small target
     is bound by the host's kernel launches, not by the GPU.
+
+    The slots are allocated up front; on CUDA (or wherever `free_bytes` is given) they are fewer than asked
+    when that many would not fit in SLOT_MEMORY_SHARE of the free memory (a warning says so), and an error
+    names the fix when not even one fits: a batch size counted in rows must not end in an out-of-memory crash.
     """
     if not prompts:
         return
-    decoder = _SlotDecoder(model, slots=min(slots, len(prompts)), capacity=max(len(p) for p in prompts) + max_new_tokens,
+    slots, capacity = min(slots, len(prompts)), max(len(p) for p in prompts) + max_new_tokens
+    param = next(model.parameters())
+    if free_bytes is None and param.device.type == "cuda":
+        # what the device has free plus what torch's allocator holds unused (an earlier segment's slots)
+        free_bytes = torch.cuda.mem_get_info(param.device)[0] + torch.cuda.memory_reserved(param.device) \
+            - torch.cuda.memory_allocated(param.device)
+    if free_bytes is not None:
+        head = model.get_output_embeddings()
+        vocab = head.weight.shape[0] if head is not None else model.config.vocab_size
+        per_slot = slot_bytes(model.config, capacity, param.dtype, vocab, max_new_tokens)
+        fit = slots_that_fit(slots, per_slot, free_bytes, capacity)
+        if fit < slots:
+            warn(f"regeneration: {fit} of the {slots} slots asked for (data.regen_batch_size) fit in "
+                 f"{SLOT_MEMORY_SHARE:.0%} of the {format_bytes(free_bytes)} free ({format_bytes(per_slot)} each at "
+                 f"{capacity} tokens); decoding {fit} rows at a time")
+            slots = fit
+    decoder = _SlotDecoder(model, slots=slots, capacity=capacity,
                            max_new_tokens=max_new_tokens, stop_ids=stop_ids, pad_id=pad_id, temperature=temperature,
                            generator=generator, cuda_graphs=cuda_graphs)
     yield from decoder.run(prompts, check_every)
@@ -242,13 +287,14 @@ def generate_stream(model, prompts: list[list[int]], *, max_new_tokens: int, sto
 
 def generate_batch(model, prompts: list[list[int]], *, max_new_tokens: int, stop_ids: list[int], pad_id: int,
                    temperature: float = 0.0, generator: torch.Generator | None = None, check_every: int = 16,
-                   cuda_graphs: bool = True) -> list[dict]:
-    """All prompts in one batch (one slot each: none is refilled; eagerly, finished rows are dropped from
-    the batch once they are half of it); returns [{tokens, finish}] in input order."""
+                   cuda_graphs: bool = True, free_bytes: int | None = None) -> list[dict]:
+    """All prompts in one batch (one slot each, unless that many do not fit in memory: see generate_stream;
+    eagerly, finished rows are dropped from the batch once they are half of it); returns [{tokens, finish}]
+    in input order."""
     out: list[dict | None] = [None] * len(prompts)
     for finished in generate_stream(model, prompts, max_new_tokens=max_new_tokens, stop_ids=stop_ids, pad_id=pad_id,
                                     slots=len(prompts), temperature=temperature, generator=generator,
-                                    check_every=check_every, cuda_graphs=cuda_graphs):
+                                    check_every=check_every, cuda_graphs=cuda_graphs, free_bytes=free_bytes):
         for i, res in finished:
             out[i] = res
     return out

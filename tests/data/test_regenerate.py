@@ -13,8 +13,8 @@ import torch
 from torch.testing import assert_close
 
 from eyas.data.endpoint import regenerate_endpoint
-from eyas.data.regenerate import (generate_batch, generate_stream, grouped_decode_sdpa, length_segments, read_results,
-                                  regenerate_local)
+from eyas.data.regenerate import (SLOT_MEMORY_SHARE, generate_batch, generate_stream, grouped_decode_sdpa,
+                                  length_segments, read_results, regenerate_local, slot_bytes)
 from eyas.data.template import ChatTemplate, stop_token_ids
 
 PROMPTS = [{"id": f"p{i:02d}", "messages": [{"role": "user", "content": "word " * (i % 7) + f"number {i}"}]}
@@ -165,6 +165,43 @@ def test_continuous_batching_refills_finished_slots_and_matches_plain_generate(t
         assert got[i] == {"tokens": ref if cut is None else ref[:cut], "finish": "length" if cut is None else "stop"}, i
     assert {r["finish"] for r in got.values()} == {"stop", "length"}
     assert list(generate_stream(model, [], max_new_tokens=4, stop_ids=[stop], pad_id=0, slots=3)) == []
+
+
+def test_slots_are_cut_to_what_free_memory_holds_and_none_fitting_is_a_clear_error(tiny_target, capsys):
+    """A batch size counted in rows must not end in an out-of-memory crash: with `free_bytes` (on CUDA, the
+    device's free memory) the slots are fewer than asked when that many would not fit, with a warning, and
+    the answers are the same; when not even one fits, the error names the settings to lower."""
+    import pytest
+
+    from eyas.common import EyasError
+
+    model, tok = tiny_target.model, tiny_target.tokenizer
+    ct = ChatTemplate(tok)
+    pool = [ct.prompt_ids(p["messages"]) for p in PROMPTS[:8]]
+    cfg, new = model.config, 6
+    capacity = max(len(p) for p in pool) + new
+    per_slot = slot_bytes(cfg, capacity, torch.float32, model.get_output_embeddings().weight.shape[0], new)
+    kv_heads, head_dim = cfg.num_key_value_heads, cfg.hidden_size // cfg.num_attention_heads
+    assert per_slot == 2 * cfg.num_hidden_layers * kv_heads * capacity * head_dim * 4 + 4 * cfg.vocab_size + 8 * new
+
+    def run(**kw):
+        rows = []
+        hook = model.model.embed_tokens.register_forward_hook(lambda m, args, out: rows.append(args[0].shape[0]))
+        try:
+            got = generate_batch(model, pool, max_new_tokens=new, stop_ids=[999999], pad_id=tok.pad_token_id, **kw)
+        finally:
+            hook.remove()
+        return got, max(rows)
+
+    whole, rows = run()
+    assert rows == len(pool)
+    capsys.readouterr()
+    cut, rows = run(free_bytes=int(3.5 * per_slot / SLOT_MEMORY_SHARE))
+    assert rows == 3 and cut == whole
+    assert "3 of the 8 slots asked for (data.regen_batch_size) fit" in capsys.readouterr().err
+    with pytest.raises(EyasError, match="one decoding slot of .* needs .*lower data.max_length or "
+                                        "data.regen_max_new_tokens"):
+        run(free_bytes=per_slot)
 
 
 def test_long_prompts_get_their_own_run_so_short_ones_keep_small_caches():
