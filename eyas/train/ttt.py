@@ -94,7 +94,9 @@ def stack_diagonal(stacked, new: torch.Tensor) -> torch.Tensor:
 
 def draft_step(draft: Eagle3Draft, h, ids_k, cos, sin, k0, v0, diag_k, diag_v, attention: str,
                block_mask=None):
-    """One unrolled step of the draft layer over all anchors -> (pre-norm output [B, T, H], new k, new v).
+    """One unrolled step of the draft layer over all anchors -> (pre-norm output [B, T, H], keys, values):
+    at step 0 its keys and values (the next steps' k0, v0), after it the diagonal stacks with its own appended
+    (the next step's diag_k, diag_v).
 
     `k0`/`v0` are None at step 0 (the step's own keys are then the causal step-0 keys). `diag_k`/`diag_v`:
     the diagonal keys and values of the steps after 0 before this one, stacked [B, nkv, T, j, d], or None.
@@ -108,8 +110,10 @@ def draft_step(draft: Eagle3Draft, h, ids_k, cos, sin, k0, v0, diag_k, diag_v, a
     q, kk, vv = attn.qkv(layer.attn_input(embeds, h), cos, sin)  # q [B, nh, T, d]; kk, vv [B, nkv, T, d]
     if k0 is None:
         k0, v0 = kk, vv
+        keys, values = kk, vv
     else:
         diag_k, diag_v = stack_diagonal(diag_k, kk), stack_diagonal(diag_v, vv)
+        keys, values = diag_k, diag_v
     scale = 1.0 / math.sqrt(draft.cfg.head_dim)
     if attention == "reference":
         t = q.shape[2]
@@ -120,7 +124,7 @@ def draft_step(draft: Eagle3Draft, h, ids_k, cos, sin, k0, v0, diag_k, diag_v, a
         out = flex_attention_step(q, k0, v0, diag_k, diag_v, scale, block_mask)
     else:
         out = dense_attention(q, k0, v0, diag_k, diag_v, scale)
-    return layer.finish(h, attn.o_proj(out)), kk, vv
+    return layer.finish(h, attn.o_proj(out)), keys, values
 
 
 def _dynamic(*tensors, block_mask=None) -> None:
@@ -235,11 +239,11 @@ def ttt_forward(draft: Eagle3Draft, batch: dict, lm_head_weight: torch.Tensor, t
         ids_k = shift_left(ids, 1 + k)
         if step_fn is not draft_step:  # compiled: four graphs for the K unrolled steps (see _dynamic)
             _dynamic(h, ids_k, cos, sin, k0, v0, diag_k, diag_v, block_mask=mask)
-        h, kk, vv = step_fn(draft, h, ids_k, cos, sin, k0, v0, diag_k, diag_v, attention, mask)
+        h, keys, values = step_fn(draft, h, ids_k, cos, sin, k0, v0, diag_k, diag_v, attention, mask)
         if k == 0:
-            k0, v0 = kk, vv
-        else:
-            diag_k, diag_v = stack_diagonal(diag_k, kk), stack_diagonal(diag_v, vv)
+            k0, v0 = keys, values
+        else:  # the step appended its own diagonal keys and values already
+            diag_k, diag_v = keys, values
 
         anchors = anchors_k[k]
         rows = target.row_of[anchors + 1 + k]
