@@ -127,6 +127,21 @@ class ResultsFile:
 
 # ---------------------------------------------------------------- batched generation
 
+def _kv_geometry(config) -> tuple[int, int, int]:
+    """(layers, kv heads, head dim) of a decoder config: the geometry of eyas.spec.target.cache_geometry,
+    which this layer may not import."""
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    return config.num_hidden_layers, kv_heads, head_dim
+
+
+def _vocab(model) -> int:
+    """Rows of the model's output head (its logits' width)."""
+    head = model.get_output_embeddings()
+    return head.weight.shape[0] if head is not None else model.config.vocab_size
+
+
 class _SlotCache:
     """Keys and values of `rows` sequences decoded side by side: [rows, kv_heads, capacity, head_dim] per
     layer, one row per slot of the decoder, each row its own sequence from column 0.
@@ -142,13 +157,10 @@ class _SlotCache:
     is_compileable = False
 
     def __init__(self, config, rows: int, capacity: int, dtype, device):
-        # the geometry of eyas.spec.target.cache_geometry, which this layer may not import
-        heads = config.num_attention_heads
-        kv_heads = getattr(config, "num_key_value_heads", None) or heads
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        layers, kv_heads, head_dim = _kv_geometry(config)
         shape = (rows, kv_heads, capacity, head_dim)
         self.kv = [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
-                   for _ in range(config.num_hidden_layers)]
+                   for _ in range(layers)]
         self.rows = torch.arange(rows, device=device)
         self.fill_rows: torch.Tensor | None = None  # prefill: the rows being filled
         self.write_at: torch.Tensor | None = None  # decoding: [rows] column each row writes
@@ -223,12 +235,10 @@ SLOT_MEMORY_SHARE = 0.6
 
 
 def slot_bytes(config, capacity: int, dtype: torch.dtype, vocab: int, max_new_tokens: int) -> int:
-    """Device bytes one decoding slot of `capacity` columns holds: its keys and values in every layer (the
-    geometry of _SlotCache), its last logits (fp32) and its outputs."""
-    heads = config.num_attention_heads
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    kv = 2 * config.num_hidden_layers * kv_heads * capacity * head_dim * torch.empty((), dtype=dtype).element_size()
+    """Device bytes one decoding slot of `capacity` columns holds: its keys and values in every layer (as
+    _SlotCache allocates them), its last logits (fp32) and its outputs."""
+    layers, kv_heads, head_dim = _kv_geometry(config)
+    kv = 2 * layers * kv_heads * capacity * head_dim * torch.empty((), dtype=dtype).element_size()
     return kv + 4 * vocab + 8 * max_new_tokens
 
 
@@ -270,9 +280,7 @@ def generate_stream(model, prompts: list[list[int]], *, max_new_tokens: int, sto
         free_bytes = torch.cuda.mem_get_info(param.device)[0] + torch.cuda.memory_reserved(param.device) \
             - torch.cuda.memory_allocated(param.device)
     if free_bytes is not None:
-        head = model.get_output_embeddings()
-        vocab = head.weight.shape[0] if head is not None else model.config.vocab_size
-        per_slot = slot_bytes(model.config, capacity, param.dtype, vocab, max_new_tokens)
+        per_slot = slot_bytes(model.config, capacity, param.dtype, _vocab(model), max_new_tokens)
         fit = slots_that_fit(slots, per_slot, free_bytes, capacity)
         if fit < slots:
             warn(f"regeneration: {fit} of the {slots} slots asked for (data.regen_batch_size) fit in "
@@ -325,9 +333,7 @@ class _SlotDecoder:
         self.produced = torch.zeros(slots, **long)  # outputs so far, the stop token included
         self.stopped = torch.zeros(slots, dtype=torch.bool, device=dev)
         self.done = torch.ones(slots, dtype=torch.bool, device=dev)  # finished, or never filled
-        head = model.get_output_embeddings()
-        vocab = head.weight.shape[0] if head is not None else model.config.vocab_size
-        self.logits = torch.zeros(slots, vocab, dtype=torch.float32, device=dev)  # the last step's, per row
+        self.logits = torch.zeros(slots, _vocab(model), dtype=torch.float32, device=dev)  # the last step's, per row
         self.steps: dict[int, object] = {}  # width -> captured graph
         self.pool = None
 
