@@ -135,8 +135,8 @@ class StaticDraftCache(DraftCache):
 
 def draft_pass(draft, hidden, ids, position_ids, mask, k_store, v_store, slots, width: int):
     """The draft's forward over its static cache given as tensors (entries written at `slots`, the first `width`
-    slots read), as one function that torch.compile takes whole: what `GraphDecoder._draft` runs when the
-    decoder has a `compile_draft` backend. -> (hidden_out [1, T, H], logits [1, T, Vd])."""
+    slots read): what `GraphDecoder._draft` runs under compile_draft, so that a compiled pass traces no writes
+    to the decoder's cache object. -> (hidden_out [1, T, H], logits [1, T, Vd])."""
     cache = StaticDraftCache(k_store, v_store)
     cache.slots, cache.width = slots, width
     out = draft(hidden, ids, position_ids, past_key_values=cache, attention_mask=mask)
@@ -186,10 +186,11 @@ class GraphDecoder:
     over them, captured on first use per chain length. Made by SpecEngine; see the module docstring."""
 
     def __init__(self, runner: TargetRunner, draft, capacity: int, graphs: bool, compile_draft: str | None = None):
-        """compile_draft: a torch.compile backend ("inductor") for the draft's cycle passes, compiled whole
-        (`draft_pass`) before their graphs are captured so that their element-wise kernels fuse; None: eager.
-        An experiment (the draft's passes are a fifth of a tree cycle, docs/PERFORMANCE.md), measured side by
-        side by bench/cycle_phases.py --compile-draft."""
+        """compile_draft: a torch.compile backend ("inductor") for the draft-side passes (a chain's or a tree's
+        drafting with its bookkeeping, a rebuild), each compiled whole with static sizes before its graphs are
+        captured, so that their small kernels fuse; None: eager. An experiment (the draft-side passes are a
+        quarter of a tree cycle, docs/PERFORMANCE.md), measured side by side by bench/cycle_phases.py
+        --compile-draft."""
         model = runner.model
         p = next(model.parameters())
         self.device, self.runner, self.draft, self.capacity = p.device, runner, draft, capacity
@@ -215,22 +216,17 @@ class GraphDecoder:
             self.dcache = StaticDraftCache(store, store.clone())
             self.hidden = torch.zeros(1, 1, dc.hidden_size, dtype=self.ddtype, device=dev)  # the draft's last state
             self.dlogits = torch.zeros(dc.draft_vocab_size, dtype=self.ddtype, device=dev)
-        # dynamic sizes: a handful of compilations (one token or several, the widest width or a narrower one)
-        # serve every width and tree shape; fullgraph: a graph break would be an error, not a silent eager pass
-        self._draft_fn = None
-        if compile_draft and draft is not None:
+        # compile_draft: each draft-side pass (a chain's or a tree's drafting, a rebuild) is compiled whole, with
+        # static sizes, before its graphs are captured. The draft then attends over the whole capacity in every
+        # pass (its masks hide the slots it may not see), so that a pass has one shape at every attended width
+        # and compiles once: one decoder layer reads a few MB of cache more, against hundreds of launches fused.
+        # fullgraph: a graph break would be an error, not a silent eager pass
+        self.draft_full_width = bool(compile_draft) and draft is not None
+        if self.draft_full_width:
             import torch._dynamo as dynamo
 
-            dynamo.config.recompile_limit = max(dynamo.config.recompile_limit, 16)
-            # the cache stores never change size in a decoder: static, so that the buffers the pass writes have
-            # constant sizes (with symbolic ones, torch 2.11's Triton code generation added a guard on them that
-            # dynamo could not build, on an H200: docs/PERFORMANCE.md, twelfth session)
-            dynamo.mark_static(self.dcache.k_store)
-            dynamo.mark_static(self.dcache.v_store)
-            try:
-                self._draft_fn = torch.compile(draft_pass, backend=compile_draft, dynamic=True, fullgraph=True)
-            except dynamo.exc.TorchDynamoException as e:  # an unknown backend, say
-                raise self._compile_failed(e) from e
+            # one entry per pass and decoder: chains of several lengths and rebuilds share code objects
+            dynamo.config.recompile_limit = max(dynamo.config.recompile_limit, 64)
         self._set_width(capacity)
 
     # ---------------------------------------------------------------- attended widths
@@ -241,7 +237,8 @@ class GraphDecoder:
         self.wcols = self.cols[:width]  # the mask's columns
         self.cache.width = width
         if self.draft is not None:
-            self.dcache.width = width
+            self.dcache.width = self.capacity if self.draft_full_width else width
+            self.dcols = self.cols if self.draft_full_width else self.wcols  # the draft's mask columns
 
     def _capture(self, fns: dict, label: str, widths: list[int] | None = None) -> dict[int, dict]:
         """{width: {name: _Step}}: every pass of `fns` captured (or, without graphs, kept) once per attended
@@ -284,35 +281,51 @@ class GraphDecoder:
                                    keep=keep)
 
     def _draft(self, hidden: torch.Tensor, ids: torch.Tensor, positions: torch.Tensor,
-               slots: torch.Tensor | None = None, mask: torch.Tensor | None = None, compiled: bool = True):
-        """The draft over (hidden [1, T, H], ids [1, T]) at positions [T]; slots and mask as in `_target`.
-        `compiled=False` keeps a pass eager under compile_draft (the prefill: one shape per prompt length)."""
-        self.dcache.slots = positions if slots is None else slots
+               slots: torch.Tensor | None = None, mask: torch.Tensor | None = None):
+        """The draft over (hidden [1, T, H], ids [1, T]) at positions [T]; slots and mask as in `_target`,
+        over the draft's own columns (`dcols`)."""
+        slots = positions if slots is None else slots
         if mask is None:
-            mask = self.wcols[None, :] <= positions[:, None]  # [T, W]
-        if self._draft_fn is not None and compiled:
-            # one grad mode and contiguous inputs whoever calls: each difference would be another compilation
-            try:
-                with torch.no_grad():
-                    hidden_out, logits = self._draft_fn(self.draft, hidden.detach().contiguous(), ids.contiguous(),
-                                                        positions[None].contiguous(), mask.contiguous(),
-                                                        self.dcache.k_store, self.dcache.v_store,
-                                                        self.dcache.slots.contiguous(), self.width)
-            except torch._dynamo.exc.TorchDynamoException as e:  # compiling happens at the first calls
-                raise self._compile_failed(e) from e
+            mask = self.dcols[None, :] <= positions[:, None]  # [T, W]
+        if self.draft_full_width:  # traced inside a compiled pass: the cache as tensors, no attribute writes
+            hidden_out, logits = draft_pass(self.draft, hidden, ids, positions[None], mask, self.dcache.k_store,
+                                            self.dcache.v_store, slots, self.capacity)
             return DraftOutput(hidden_out, logits, self.dcache)
+        self.dcache.slots = slots
         return self.draft(hidden, ids, positions[None], past_key_values=self.dcache, attention_mask=mask)
 
-    def _compile_failed(self, e: Exception) -> EyasError:
+    def _compiled(self, fn, name: str):
+        """`fn` (a draft-side pass) compiled whole by the compile_draft backend, static sizes, or `fn` itself
+        without one. A compiler failure, at the first call, becomes an EyasError naming the way out."""
+        if not self.draft_full_width:
+            return fn
+        import torch._dynamo as dynamo
+
+        try:
+            compiled = torch.compile(fn, backend=self.compile_draft, dynamic=False, fullgraph=True)
+        except dynamo.exc.TorchDynamoException as e:  # an unknown backend, say
+            raise self._compile_failed(e, name) from e
+
+        def run() -> None:
+            try:
+                with torch.no_grad():  # one grad mode whoever calls: another would be another compilation
+                    compiled()
+            except dynamo.exc.TorchDynamoException as e:  # compiling happens at the first call
+                raise self._compile_failed(e, name) from e
+
+        return run
+
+    def _compile_failed(self, e: Exception, name: str) -> EyasError:
         first = " ".join([line.strip() for line in str(e).splitlines() if line.strip()][:2])[:300]
-        return EyasError(f"torch.compile (backend {self.compile_draft!r}) failed on the draft's pass: "
+        return EyasError(f"torch.compile (backend {self.compile_draft!r}) failed on the draft's pass ({name}): "
                          f"{type(e).__name__}: {first}. Compiling the draft is an experiment (eval.compile_draft); "
                          f"run without --compile-draft (or --set eval.compile_draft=false)")
 
-    def _tree_mask(self, local: torch.Tensor) -> torch.Tensor:
-        """[T, W]: every committed slot (< n), plus the slots n + j for which local [T, L] is True."""
+    def _tree_mask(self, local: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
+        """[T, W] over the slots `cols` [W]: every committed slot (< n), plus the slots n + j for which
+        local [T, L] is True."""
         width = local.shape[1]
-        rel = self.wcols - self.n  # [W]: slot relative to the committed length
+        rel = cols - self.n  # [W]: slot relative to the committed length
         inside = (rel >= 0) & (rel < width)
         return (rel < 0)[None, :] | (local[:, rel.clamp(0, width - 1)] & inside[None, :])
 
@@ -363,8 +376,11 @@ class GraphDecoder:
             b["read"][k:2 * k + 1].copy_(best)
             b["read"][2 * k + 1:].copy_(self.a.view(1))
 
-        b["passes"] = self._capture({"chain": chain, "verify": verify, "rebuild": lambda: self._rebuild(b)},
-                                    f"chain-{k}")
+        def rebuild():
+            self._rebuild(b)
+
+        b["passes"] = self._capture({"chain": self._compiled(chain, f"chain-{k}"), "verify": verify,
+                                     "rebuild": self._compiled(rebuild, f"chain-{k} rebuild")}, f"chain-{k}")
         self.steps[("chain", k)] = b
         return b
 
@@ -416,7 +432,7 @@ class GraphDecoder:
                 seen[:, (d - 1) * topk:d * topk] |= eye  # each frontier node sees its own new slot
                 slots = self.n + (d - 1) * topk + self.cols[:topk]
                 out = self._draft(front_hidden, self.draft.to_target_ids(front_ids).view(1, topk),
-                                  (self.n + (d - 1)).expand(topk), slots=slots, mask=self._tree_mask(seen))
+                                  (self.n + (d - 1)).expand(topk), slots=slots, mask=self._tree_mask(seen, self.dcols))
                 child = torch.log_softmax(out.logits[0].float(), dim=-1).topk(topk, dim=-1)  # [topk, topk]
                 cum = (front_scores[:, None] + child.values).flatten()
                 kids = child.indices.flatten()
@@ -448,7 +464,7 @@ class GraphDecoder:
 
         def verify():
             logits, aux = self._target(b["ids"], self.n + b["depths"], aux=True, slots=self.n + b["rows"],
-                                       mask=self._tree_mask(b["anc"]))
+                                       mask=self._tree_mask(b["anc"], self.wcols))
             best = logits.argmax(-1)  # [m + 1]
             match = (b["ids"][0] == best[b["parents"]]) | (b["rows"] == 0)
             accepted = match
@@ -470,8 +486,12 @@ class GraphDecoder:
             b["read"][depth + 1:depth + 2].copy_(self.a.view(1))
             b["read"][depth + 2:].copy_(b["depths"].max().view(1))
 
-        b["passes"] = self._capture({"tree": tree, "verify": verify, "rebuild": lambda: self._rebuild(b)},
-                                    f"tree {topk},{depth},{total}")
+        def rebuild():
+            self._rebuild(b)
+
+        name = f"tree {topk},{depth},{total}"
+        b["passes"] = self._capture({"tree": self._compiled(tree, name), "verify": verify,
+                                     "rebuild": self._compiled(rebuild, f"{name} rebuild")}, name)
         self.steps[key] = b
         return b
 
@@ -513,7 +533,7 @@ class GraphDecoder:
             b["pending"].copy_(logits[0].argmax(-1, keepdim=True))
             if with_draft:  # the draft's row t pairs the target's state at t with token t + 1
                 tokens = b["next"].index_copy(1, b["last"], b["pending"].view(1, 1))
-                out = self._draft(self.draft.fuse(aux.to(self.ddtype))[None], tokens, positions, compiled=False)
+                out = self._draft(self.draft.fuse(aux.to(self.ddtype))[None], tokens, positions)
                 self.hidden.copy_(out.hidden_out.index_select(1, b["last"]))
                 self.dlogits.copy_(out.logits[0].index_select(0, b["last"])[0])
 
@@ -559,7 +579,7 @@ class GraphDecoder:
             pending = logits[-1].argmax(-1, keepdim=True)  # [1]
             if with_draft:
                 out = self._draft(self.draft.fuse(aux.to(self.ddtype))[None],
-                                  torch.cat([prompt[0, 1:], pending])[None], positions, compiled=False)
+                                  torch.cat([prompt[0, 1:], pending])[None], positions)
                 self.hidden.copy_(out.hidden_out[:, -1:])
                 self.dlogits.copy_(out.logits[0, -1])
         return pending

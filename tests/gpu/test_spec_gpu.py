@@ -191,7 +191,7 @@ def test_graphed_cycles_with_the_draft_pass_compiled(monkeypatch):
         engine = SpecEngine(target.model, draft, aux, sync_timing=False, static=True, compile_draft=backend)
         runs[backend] = [engine.generate(prompt, 64, **s) for s in (dict(steps=3), dict(tree=(4, 4, 12)))]
         assert all(r.tokens == ref for r in runs[backend])
-        assert (engine._decoder._draft_fn is None) == (backend is None) and engine._decoder.graphs
+        assert engine._decoder.draft_full_width == (backend is not None) and engine._decoder.graphs
     dynamo.reset()
     for got, want in zip(runs["inductor"], runs[None]):
         assert got.accepted_per_cycle == want.accepted_per_cycle

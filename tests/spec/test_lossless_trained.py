@@ -225,24 +225,34 @@ def test_static_path_with_padded_prefills(smollm2, trained, step, monkeypatch):
 
 
 def test_static_path_with_the_draft_pass_compiled(smollm2, trained, monkeypatch):
-    """compile_draft compiles the draft's pass whole (dynamic sizes, no graph break) before graphs are captured:
-    chains, trees and the prefill through it give the eager draft's tokens and acceptance per cycle, over more
-    than one attended width (dynamo's aot_eager backend here: the traced graph with its in-place cache writes,
-    no code generation)."""
+    """compile_draft compiles each draft-side pass whole (static sizes, no graph break) before graphs are
+    captured: chains and trees through it give the eager draft's tokens and acceptance per cycle over more
+    than one attended width, and a pass compiles once whatever the width (the draft attends over the whole
+    capacity), so chain-3 and one tree compile 4 graphs (drafting and rebuild each). Dynamo's aot_eager backend
+    here: the traced graphs with their in-place cache writes, no code generation."""
     import torch._dynamo as dynamo
+    from torch._dynamo.backends.registry import lookup_backend
 
     import eyas.spec.graphs as graphs
 
     monkeypatch.setattr(graphs, "WIDTH_STEP", 4)
     prompt = trained["prompts"][0]
+    aot_eager, compiled = lookup_backend("aot_eager"), []
+
+    def counting(gm, example_inputs):
+        compiled.append(gm)
+        return aot_eager(gm, example_inputs)
+
     runs = {}
-    for backend in (None, "aot_eager"):
+    for backend in (None, counting):
         dynamo.reset()
         static = SpecEngine(smollm2.model, trained["draft"], trained["aux"], static=True, compile_draft=backend)
         chain = static.generate(prompt, NEW, eos_token_ids=trained["eos"], steps=3)
         tree = static.generate(prompt, NEW, eos_token_ids=trained["eos"], tree=(4, 4, 12))
-        runs[backend] = (chain.tokens, chain.accepted_per_cycle, tree.tokens, tree.accepted_per_cycle)
-        assert (static._decoder._draft_fn is None) == (backend is None)
+        runs[backend is None] = (chain.tokens, chain.accepted_per_cycle, tree.tokens, tree.accepted_per_cycle)
+        assert static._decoder.draft_full_width == (backend is not None)
+        assert len(static._decoder.widths) > 1
     dynamo.reset()
-    assert runs["aot_eager"] == runs[None]
-    assert runs[None][0] == trained["answers"][0] and sum(runs[None][1]) > 0
+    assert len(compiled) == 4
+    assert runs[False] == runs[True]
+    assert runs[True][0] == trained["answers"][0] and sum(runs[True][1]) > 0
