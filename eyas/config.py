@@ -211,10 +211,11 @@ class EvalConfig:
     hf_baseline: bool = True  # also time transformers `generate` on the same prompts (plain decoding is always timed)
     threads: int = 0  # torch CPU threads for eval; 0 = torch's default (1 is often faster on shared cores)
     cuda_graphs: bool = True  # on a GPU, greedy chains, trees and plain decoding replay CUDA graphs (no effect on CPU)
-    # on a GPU with eval.cuda_graphs, the draft's passes are compiled by torch.compile (inductor) before their
-    # graphs are captured, so that their element-wise kernels fuse; it costs compile time at the first generation.
-    # An experiment: with torch 2.11 on an H200 inductor fails while compiling them (a dynamic-shape guard,
-    # docs/PERFORMANCE.md, twelfth session), so it stays off; anywhere but the CUDA-graph path eval refuses it
+    # on a GPU with eval.cuda_graphs, the draft-side passes (a chain's or a tree's drafting with its
+    # bookkeeping, a rebuild) are compiled by torch.compile (inductor) before their graphs are captured, so that
+    # their small kernels fuse: a tree 16,4,48 cycle 1.64 -> 1.46 plain steps on an H200, 1.78x -> 1.97x on
+    # MT-bench (docs/PERFORMANCE.md, thirteenth session). Compiling costs some seconds per setting at its first
+    # generation. No effect elsewhere (a warning says so); `eyas eval --compile-draft` refuses to run there
     compile_draft: bool = False
 
     def __post_init__(self):
@@ -313,7 +314,8 @@ def full() -> RunConfig:
         # target writes itself (data.self_prompts), 1,500 come from the corpus. Held-out acc_0: 0.45 with 5,000
         # samples x 4 epochs, 0.62 with 18,000 x 3 (MT-bench tau 2.67 with tree 16,4,48), 0.73 with 24,000 x 4
         # (1,520 steps; tau 3.06), 0.72 with 27,000 x 4 (1,712 steps; tau 2.98, 1.80x): 17.7 min end to end on an
-        # H200 with the compiled loss, 46.5 GiB of bf16 store (twelfth session; the device has 64 GiB of disk)
+        # H200 with the compiled loss, 46.5 GiB of bf16 store (twelfth and thirteenth sessions; the device has
+        # 64 GiB of disk)
         data=DataConfig(num_prompts=1500, self_prompts=25500, max_length=2048, regenerate="local",
                         regen_max_new_tokens=512, regen_batch_size=512, draft_vocab=32000),
         capture=CaptureConfig(dtype="bf16", shard_tokens=262144),
@@ -326,16 +328,16 @@ def full() -> RunConfig:
         train=TrainConfig(epochs=4, ttt=7, lr=5e-4, warmup_steps=40, batch_tokens=32768, log_every=20,
                           save_every=1000, attention="flex", compile=True, compile_loss=True, val_samples=120,
                           val_every=100),
-        # greedy chains, the tree and plain decoding replay CUDA graphs (one device read per cycle). The
-        # 27,000-sample draft: tree 16,4,48 1.80x / 1.61x (tau 2.98 / 2.65), 16,5,64 1.82x / 1.53x, 12,5,48
-        # 1.72x / 1.53x (twelfth session); the 24,000-sample draft: 16,4,48 1.69x / 1.50x (tenth). With the
-        # 18,000-sample draft on the H200, over the full eval (MT-bench, HumanEval): tree 16,4,48 1.45x / 1.38x
-        # (tau 2.67 / 2.51), 20,3,48 1.48x / 1.37x, 12,3,36 1.47x / 1.31x, 24,4,64 1.44x / 1.35x, 16,5,64 1.43x /
-        # 1.31x, 12,4,48 1.42x / 1.28x: within a few percent of each other; 16,4,48 keeps the most tokens per
-        # cycle for the cost (docs/PERFORMANCE.md, "Ninth session"; with the weaker 6,000-sample draft deeper
-        # trees did not pay: a depth-6 tree accepted at its depths 5 and 6 in 0.1 % of cycles)
-        eval=EvalConfig(benches=["mt-bench", "humaneval"], steps=[3, 5, 7], tree="16,4,48", max_new_tokens=256,
-                        limit=12, hf_baseline=False),
+        # greedy chains, the tree and plain decoding replay CUDA graphs (one device read per cycle), the draft's
+        # passes compiled. With them, the 27,000-sample draft of the thirteenth session: tree 16,5,64 2.18x /
+        # 1.78x on MT-bench / HumanEval (tau 3.40 / 2.75), 16,4,48 1.97x / 1.80x (2.94 / 2.66); uncompiled,
+        # 16,4,48 1.78x / 1.62x. A compiled draft makes depth cheap (a tree's draft phase 1.01 -> 0.55 ms), so
+        # the deeper tree now gives the best mean of the two benchmarks. Uncompiled, on the twelfth session's
+        # draft, trees of depth 4 and 5 were within a few percent of each other (16,4,48 1.80x / 1.61x, 16,5,64
+        # 1.82x / 1.53x), and on the 18,000-sample draft 16,4,48, 20,3,48, 12,3,36, 24,4,64, 16,5,64 and 12,4,48
+        # all lay between 1.42x and 1.48x on MT-bench (docs/PERFORMANCE.md, "Ninth session")
+        eval=EvalConfig(benches=["mt-bench", "humaneval"], steps=[3, 5, 7], tree="16,5,64", max_new_tokens=256,
+                        limit=12, hf_baseline=False, compile_draft=True),
     )
 
 

@@ -96,7 +96,8 @@ def test_bad_jsonl_names_the_line(tmp_path):
 
 def test_compile_draft_without_the_static_path_is_refused(tmp_path, tiny_target, capsys):
     """Only the CUDA-graph path compiles the draft's passes: on a CPU target, or with graphs off, eval stops
-    with the key and the fix instead of timing the eager draft."""
+    with the key and the fix when --compile-draft asked for it; a config's value (the full preset's) has no
+    effect there, with a warning, as eval.cuda_graphs has none on a CPU."""
     from eyas.commands.eval import build_engine
     from eyas.common import EyasError
 
@@ -107,7 +108,16 @@ def test_compile_draft_without_the_static_path_is_refused(tmp_path, tiny_target,
     assert rc == 2 and "eval.compile_draft needs a CUDA target with eval.cuda_graphs=true" in err
     assert "drop --compile-draft (or --set eval.compile_draft=false)" in err and not (tmp_path / "r.json").exists()
     with pytest.raises(EyasError, match="eval.cuda_graphs=false"):
-        build_engine(tiny_target, step, cuda_graphs=False, compile_draft=True)
+        build_engine(tiny_target, step, cuda_graphs=False, compile_draft=True, require_compile=True)
+    engine, _ = build_engine(tiny_target, step, cuda_graphs=True, compile_draft=True)
+    assert engine.compile_draft is None and not engine.static
+    assert "the draft's passes run uncompiled here" in capsys.readouterr().err
+    bench = tmp_path / "prompts.jsonl"
+    bench.write_text(json.dumps({"id": "a", "prompt": "hello there"}) + "\n")
+    rc = main(["eval", "--config", "tiny", "--target", "tiny", "--draft", str(step), "--steps", "2",
+               "--set", "eval.compile_draft=true", "--max-new-tokens", "4", "--no-hf-baseline",
+               "--bench", str(bench), "--out", str(tmp_path / "r.json")])
+    assert rc == 0 and json.loads((tmp_path / "r.json").read_text())["settings"]["compile_draft"] is None
 
 
 def test_evaluate_entry_for_the_pipeline(tmp_path, tiny_target):
