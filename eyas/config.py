@@ -81,6 +81,10 @@ class DataConfig:
     self_prompts: int = 0
     self_prompt_temperature: float = 0.8  # 1.0 wrote more broken requests with SmolLM2-135M
     self_prompt_max_tokens: int = 128  # a request still running at this length is dropped
+    # starts of requests that steer a share of them (the target writes the rest), e.g. ["Write a Python
+    # function that", "Complete this Python code:"] for a draft meant for code; taken in turn
+    self_prompt_openers: list[str] = field(default_factory=list)
+    self_prompt_opener_share: float = 0.5  # of the written requests, spread evenly, when openers are given
     regenerate: str | None = None  # None | "local" | an OpenAI-compatible base URL
     regen_max_new_tokens: int = 256
     regen_temperature: float = 0.0
@@ -109,6 +113,11 @@ class DataConfig:
             raise ConfigError(f"data.self_prompt_temperature={self.self_prompt_temperature!r} must lie in (0, 2]: "
                               f"greedy decoding would write the same request every time")
         _at_least("data.self_prompt_max_tokens", self.self_prompt_max_tokens, 1)
+        if any(not isinstance(o, str) or not o.strip() for o in self.self_prompt_openers):
+            raise ConfigError(f"data.self_prompt_openers={self.self_prompt_openers!r}: each opener must be a "
+                              f"non-empty string (the start of a user request)")
+        if not 0 < self.self_prompt_opener_share <= 1:
+            raise ConfigError(f"data.self_prompt_opener_share={self.self_prompt_opener_share!r} must lie in (0, 1]")
         if self.regenerate is not None and self.regenerate != "local" \
                 and not self.regenerate.startswith(("http://", "https://")):
             raise ConfigError(f"data.regenerate={self.regenerate!r} is not valid; choose one of: none, local, "
@@ -366,11 +375,19 @@ def _coerce(key: str, value: Any, tp: Any) -> Any:
         return _coerce(key, value, inner[0])
     if origin is list:
         (item,) = args
-        if isinstance(value, str):  # "3,5,7", or as YAML writes a list: "[3, 5, 7]"
+        if isinstance(value, str):  # "3,5,7", or as YAML writes a list: "[3, 5, 7]", '["a, b", "c"]'
             text = value.strip()
-            if text.startswith("[") and text.endswith("]"):
-                text = text[1:-1]
-            value = [v.strip() for v in text.split(",") if v.strip()]
+            if text.startswith("[") and text.endswith("]") and ('"' in text or "'" in text):
+                import yaml
+
+                try:  # quoted items may hold commas: read it as the YAML flow list it is
+                    value = yaml.safe_load(text)
+                except yaml.YAMLError as e:
+                    raise ConfigError(f"{key}: cannot read {value!r} as a list ({str(e).splitlines()[0]})") from None
+            else:
+                if text.startswith("[") and text.endswith("]"):
+                    text = text[1:-1]
+                value = [v.strip() for v in text.split(",") if v.strip()]
         if not isinstance(value, (list, tuple)):
             raise ConfigError(f"{key}: expected a list, got {value!r}")
         return [_coerce(key, v, item) for v in value]

@@ -109,15 +109,18 @@ def _self_prompts(cfg: RunConfig, target, template: ChatTemplate, out: Path) -> 
     if not dc.regenerate:
         raise EyasError("data.self_prompts: the target's own prompts have no responses yet; add --regenerate local "
                         "(or a server URL)")
+    steer = {"openers": dc.self_prompt_openers, "opener_share": dc.self_prompt_opener_share} \
+        if dc.self_prompt_openers else {}  # only when set: earlier runs' files keep their names
     settings, path = _results_file(out, "self-prompts", cfg, template,
                                    {"target": target.identity, "temperature": dc.self_prompt_temperature,
-                                    "max_new_tokens": dc.self_prompt_max_tokens, "seed": dc.seed})
+                                    "max_new_tokens": dc.self_prompt_max_tokens, "seed": dc.seed, **steer})
     try:
         prompts, summary = write_self_prompts(target, template, dc.self_prompts, path,
                                               temperature=dc.self_prompt_temperature,
                                               max_new_tokens=dc.self_prompt_max_tokens,
                                               batch_size=dc.regen_batch_size, seed=dc.seed,
-                                              cuda_graphs=dc.regen_cuda_graphs)
+                                              cuda_graphs=dc.regen_cuda_graphs, openers=dc.self_prompt_openers,
+                                              opener_share=dc.self_prompt_opener_share)
     except ValueError as e:
         raise EyasError(f"data.self_prompts: {e}") from None
     convs = [Conversation(p["id"], [{"role": "user", "content": p["prompt"]}], f"{path.name}:{p['id']}")

@@ -12,6 +12,12 @@ any template (default system prompt included) works. Requests that hit the token
 or repeat an earlier one (case and spacing ignored) are dropped and counted; generation goes on in
 batches until `num_prompts` are kept or twice that many were written.
 
+Openers steer a share of the requests (`data.self_prompt_openers`, `data.self_prompt_opener_share`): the
+target continues its opening followed by the start of a request, such as "Write a Python function that", and
+the request is that start and what the target wrote after it. A draft meant for code can so see more code
+than the target's own requests hold (a few percent of SmolLM2's are about code). Which written request gets
+which opener depends on its index alone, so a resumed run steers as an uninterrupted one does.
+
 Results are appended to a JSONL file (one line per written request, kept or not) and flushed per
 batch; a rerun reads it and continues. Batch i is sampled with seed (seed, i), so a resumed run
 writes what an uninterrupted one would have.
@@ -71,12 +77,24 @@ def _tally(records: list[dict], num_prompts: int) -> tuple[list[dict], dict]:
     return kept, counts
 
 
+def opener_of(index: int, openers: list[str], share: float) -> str | None:
+    """The opener of the index-th written request, or None: a `share` of the indices, spread evenly, take
+    the openers in turn."""
+    if not openers or share <= 0:
+        return None
+    before, upto = int(index * share), int((index + 1) * share)
+    return openers[before % len(openers)] if upto > before else None
+
+
 def write_self_prompts(target, template, num_prompts: int, out_path: str | Path, *, temperature: float,
-                       max_new_tokens: int, batch_size: int, seed: int = 0,
-                       cuda_graphs: bool = True) -> tuple[list[dict], dict]:
-    """Have the target write `num_prompts` distinct user requests -> ([{id, prompt}], summary)."""
+                       max_new_tokens: int, batch_size: int, seed: int = 0, cuda_graphs: bool = True,
+                       openers: list[str] | None = None, opener_share: float = 0.0) -> tuple[list[dict], dict]:
+    """Have the target write `num_prompts` distinct user requests -> ([{id, prompt}], summary). A share
+    `opener_share` of them start with one of `openers` (the target writes the rest of the request)."""
     opening = user_turn_opening(template)
+    openers = list(openers or [])
     tok = target.tokenizer
+    opener_ids = {o: tok(o, add_special_tokens=False)["input_ids"] for o in openers}
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else template.stop_ids[0]
     device = next(target.model.parameters()).device
     max_written = 2 * num_prompts
@@ -91,11 +109,14 @@ def write_self_prompts(target, template, num_prompts: int, out_path: str | Path,
                 start = len(records)
                 rows = min(batch_size, max_written - start)
                 generator = torch.Generator(device=device).manual_seed(seed * 1_000_003 + start)
-                results = generate_batch(target.model, [opening] * rows, max_new_tokens=max_new_tokens,
-                                         stop_ids=template.stop_ids, pad_id=pad_id, temperature=temperature,
-                                         generator=generator, cuda_graphs=cuda_graphs)
-                batch = [{"id": f"self-{start + i:07d}", "prompt": tok.decode(r["tokens"], skip_special_tokens=True),
-                          "finish": r["finish"], "num_tokens": len(r["tokens"])} for i, r in enumerate(results)]
+                starts = [opener_of(start + i, openers, opener_share) for i in range(rows)]
+                results = generate_batch(target.model, [opening + opener_ids.get(o, []) for o in starts],
+                                         max_new_tokens=max_new_tokens, stop_ids=template.stop_ids, pad_id=pad_id,
+                                         temperature=temperature, generator=generator, cuda_graphs=cuda_graphs)
+                batch = [{"id": f"self-{start + i:07d}",
+                          "prompt": (o or "") + tok.decode(r["tokens"], skip_special_tokens=True),
+                          "finish": r["finish"], "num_tokens": len(r["tokens"]), **({"opener": o} if o else {})}
+                         for i, (o, r) in enumerate(zip(starts, results))]
                 sink.append(batch)
                 records += batch
                 num_tokens += sum(r["num_tokens"] for r in batch)
@@ -113,7 +134,12 @@ def write_self_prompts(target, template, num_prompts: int, out_path: str | Path,
         print0(f"the target wrote {len(kept)} usable prompts of the {num_prompts} asked in {len(records)} tries "
                f"(dropped: {counts['truncated']} hit data.self_prompt_max_tokens, {counts['duplicate']} duplicates, "
                f"{counts['empty']} empty); {fix}")
+    steered = {r["id"] for r in records if r.get("opener")}
+    with_opener = sum(p["id"] in steered for p in kept)
+    if openers:
+        print0(f"{with_opener} of the {len(kept)} kept requests start with an opener (data.self_prompt_openers)")
     summary = {"num_asked": num_prompts, "num_kept": len(kept), "num_written": len(records),
+               "num_kept_with_opener": with_opener,
                "dropped": {k: v for k, v in counts.items() if k != "kept"}, "opening_tokens": len(opening),
                "seconds_this_run": round(time.perf_counter() - t0, 2), "num_tokens_this_run": num_tokens}
     return kept, summary

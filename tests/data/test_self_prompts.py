@@ -7,7 +7,7 @@ import pytest
 from eyas.cli import main as cli_main
 from eyas.config import ConfigError, load_config
 from eyas.data import load_prepared
-from eyas.data.self_prompts import _tally, user_turn_opening, write_self_prompts
+from eyas.data.self_prompts import _tally, opener_of, user_turn_opening, write_self_prompts
 from eyas.data.template import ChatTemplate, stop_token_ids
 
 
@@ -53,10 +53,35 @@ def test_tally_drops_truncated_empty_and_duplicates_in_id_order():
     assert counts == {"kept": 3, "truncated": 1, "empty": 1, "duplicate": 1}
 
 
-def _write(target, path, n, batch_size=4):
+def _write(target, path, n, batch_size=4, **steer):
     template = ChatTemplate(target.tokenizer)
     return write_self_prompts(target, template, n, path, temperature=1.0, max_new_tokens=6, batch_size=batch_size,
-                              seed=3)
+                              seed=3, **steer)
+
+
+def test_openers_steer_an_even_share_in_turn():
+    got = [opener_of(i, ["A", "B"], 0.25) for i in range(16)]
+    assert got == [None, None, None, "A", None, None, None, "B"] * 2
+    assert sum(opener_of(i, ["A"], 0.3) is not None for i in range(1000)) == 300
+    assert all(opener_of(i, ["A"], 1.0) == "A" for i in range(5)) and opener_of(3, [], 0.5) is None
+
+
+def test_steered_requests_start_with_their_opener_and_resume_alike(tiny_target, tmp_path):
+    """The target continues opening + opener; the request is the opener and what follows. A resumed run
+    steers the same indices (the opener depends on the index alone)."""
+    steer = {"openers": ["Write a Python function that", "Fix this code:"], "opener_share": 0.5}
+    whole, summary = _write(tiny_target, tmp_path / "a.jsonl", 6, **steer)
+    written = [json.loads(line) for line in (tmp_path / "a.jsonl").read_text().splitlines()]
+    assert [r.get("opener") for r in written[:4]] == [None, "Write a Python function that", None, "Fix this code:"]
+    for r in written:
+        if r.get("opener"):
+            assert r["prompt"].startswith(r["opener"]) and len(r["prompt"]) > len(r["opener"])
+    assert summary["num_kept_with_opener"] == sum(p["id"] in {r["id"] for r in written if r.get("opener")}
+                                                  for p in whole)
+    lines = (tmp_path / "a.jsonl").read_bytes().splitlines(keepends=True)
+    (tmp_path / "b.jsonl").write_bytes(b"".join(lines[:4]))
+    resumed, _ = _write(tiny_target, tmp_path / "b.jsonl", 6, **steer)
+    assert resumed == whole
 
 
 def test_a_resumed_run_writes_what_an_uninterrupted_one_does(tiny_target, tmp_path):
@@ -103,6 +128,12 @@ def test_prepare_adds_them_to_the_corpus(tmp_path):
 def test_config_and_input_errors(tmp_path, capsys):
     with pytest.raises(ConfigError, match="self_prompt_temperature"):
         load_config("tiny", ["data.self_prompts=5", "data.self_prompt_temperature=0"])
+    with pytest.raises(ConfigError, match="each opener must be a non-empty string"):
+        load_config("tiny", ['data.self_prompt_openers=["Write", " "]'])
+    with pytest.raises(ConfigError, match="self_prompt_opener_share=0.0 must lie in"):
+        load_config("tiny", ["data.self_prompt_opener_share=0"])
+    cfg = load_config("tiny", ['data.self_prompt_openers=["Write a Python function that", "Fix this code, please:"]'])
+    assert cfg.data.self_prompt_openers == ["Write a Python function that", "Fix this code, please:"]
     rc = cli_main(["prepare", "--config", "tiny", "--out", str(tmp_path / "a"), "--num-prompts", "0"])
     assert rc == 2 and "--self-prompts N" in capsys.readouterr().err
     src = tmp_path / "d.jsonl"
