@@ -195,3 +195,28 @@ def test_graphed_cycles_with_the_draft_pass_compiled(monkeypatch):
     dynamo.reset()
     for got, want in zip(runs["inductor"], runs[None]):
         assert got.accepted_per_cycle == want.accepted_per_cycle
+
+
+def test_compiled_draft_side_passes_keep_smollm2_lossless_fp32():
+    """The full preset's eval compiles the draft-side passes: on SmolLM2 in fp32 chains and the tree through them
+    give plain greedy decoding's tokens and the uncompiled graphs' acceptance per cycle (added in the thirteenth
+    session, after its device time was spent: first run in the next one)."""
+    import torch._dynamo as dynamo
+
+    target = load_target("smollm2", device="cuda", dtype="fp32")
+    aux = resolve_aux_layers(None, target.num_layers)
+    draft = untrained_draft(target, 8192)[0]
+    runs = {}
+    for backend in (None, "inductor"):
+        dynamo.reset()
+        engine = SpecEngine(target.model, draft, aux, sync_timing=False, static=True, compile_draft=backend)
+        runs[backend] = []
+        for q in QUESTIONS[:2]:
+            ids = chat_ids(target, q)
+            ref = SpecEngine(target.model).plain_generate(ids, 48).tokens
+            for setting in (dict(steps=3), dict(tree=(16, 5, 64))):
+                res = engine.generate(ids, 48, **setting)
+                assert res.tokens == ref
+                runs[backend].append(res.accepted_per_cycle)
+    dynamo.reset()
+    assert runs["inductor"] == runs[None]
