@@ -66,6 +66,7 @@ from eyas.spec.target import KVCache, TargetRunner, cache_geometry, varying_shap
 
 WIDTH_STEP = 256  # attended widths are the multiples of this up to the capacity (and the capacity)
 PREFILL_STEP = 64  # prompts are padded to a multiple of this for a graphed prefill; 0: eager, exact length
+RECOMPILE_LIMIT = 64  # compile_draft: compiled entries per pass function (one per decoder and chain length)
 
 
 def attended_widths(capacity: int) -> list[int]:
@@ -232,7 +233,7 @@ class GraphDecoder:
             import torch._dynamo as dynamo
 
             # one entry per pass and decoder: chains of several lengths and rebuilds share code objects
-            dynamo.config.recompile_limit = max(dynamo.config.recompile_limit, 64)
+            dynamo.config.recompile_limit = max(dynamo.config.recompile_limit, RECOMPILE_LIMIT)
         self._set_width(capacity)
 
     # ---------------------------------------------------------------- attended widths
@@ -307,16 +308,19 @@ class GraphDecoder:
             return fn
         import torch._dynamo as dynamo
 
+        # FailOnRecompileLimitHit (fullgraph cannot fall back to eager) is not a TorchDynamoException
+        errors = tuple(e for e in (dynamo.exc.TorchDynamoException, getattr(dynamo.exc, "FailOnRecompileLimitHit", None))
+                       if e is not None)
         try:
             compiled = torch.compile(fn, backend=self.compile_draft, dynamic=False, fullgraph=True)
-        except dynamo.exc.TorchDynamoException as e:  # an unknown backend, say
+        except errors as e:  # an unknown backend, say
             raise self._compile_failed(e, name) from e
 
         def run() -> None:
             try:
                 with torch.no_grad():  # one grad mode whoever calls: another would be another compilation
                     compiled()
-            except dynamo.exc.TorchDynamoException as e:  # compiling happens at the first call
+            except errors as e:  # compiling happens at the first call
                 raise self._compile_failed(e, name) from e
 
         return run

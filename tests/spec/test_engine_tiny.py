@@ -164,6 +164,24 @@ def test_a_draft_compile_that_fails_is_a_clear_error(tiny_target):
         engine.generate(PROMPT, 8, steps=2)
 
 
+def test_a_draft_compile_past_the_recompile_limit_is_a_clear_error(tiny_target, monkeypatch):
+    """Every decoder compiles its own entries of the same pass functions; past dynamo's limit a fullgraph compile
+    cannot fall back to eager and raises an error that is no TorchDynamoException: it too becomes an EyasError."""
+    import torch._dynamo as dynamo
+
+    import eyas.spec.graphs as graphs
+    from eyas.common import EyasError
+
+    dynamo.reset()
+    monkeypatch.setattr(dynamo.config, "recompile_limit", 1)
+    monkeypatch.setattr(graphs, "RECOMPILE_LIMIT", 1)
+    draft, aux = untrained_draft(tiny_target)
+    SpecEngine(tiny_target.model, draft, aux, static=True, compile_draft="eager").generate(PROMPT, 8, steps=2)
+    with pytest.raises(EyasError, match=r"failed on the draft's pass \(chain-3\).*without --compile-draft"):
+        SpecEngine(tiny_target.model, draft, aux, static=True, compile_draft="eager").generate(PROMPT, 8, steps=3)
+    dynamo.reset()
+
+
 def test_the_static_trees_argsort_is_stable_like_torch_sort():
     """The fixed-shape tree ranks candidates by counting (capturable in a CUDA graph); it must order them as
     a stable sort does, ties (equal scores, repeated depths, -inf log-probs) in index order."""
