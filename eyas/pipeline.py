@@ -3,7 +3,7 @@ what is done, resumes what was interrupted, reruns what changed, and ends every 
 
 Each stage is one or more `python -m eyas <command> --config RUN/config.yaml ...` subprocesses, each in
 its own process group (eyas/gpu/procs.py). A stage's fingerprint covers the config keys it depends on
-and a manifest (name, size, mtime) of each input; RUN/stages.json keeps the fingerprint and a manifest
+(the fields that differ from their defaults) and a manifest (name, size, mtime) of each input; RUN/stages.json keeps the fingerprint and a manifest
 of the output of every finished stage, so a rerun of a finished run only reads the file system.
 With two or more GPUs, capture and training run at once on disjoint halves, training tailing the store.
 """
@@ -149,11 +149,40 @@ def manifest(path: Path) -> list | None:
     return rows
 
 
-def _config_value(cfg: RunConfig, key: str):
+# keys added to a config section after runs had been fingerprinted with the whole section (eyas before the
+# thirteenth session): a record of such a run matches the section without them (see _legacy_config_hashes)
+ADDED_SINCE_WHOLE_SECTIONS = ("data.self_prompt_openers", "data.self_prompt_opener_share")
+
+
+def _config_value(cfg: RunConfig, key: str, whole: bool = False):
+    """The value of `key` ("section" or "section.name") that fingerprints a stage: a section as a dict of
+    the fields that differ from their defaults, so that a key added to eyas later, at its default, leaves
+    the fingerprints of earlier runs as they were (whole: every field)."""
     section, _, name = key.partition(".")
     value = getattr(cfg, section)
     value = getattr(value, name) if name else value
-    return dataclasses.asdict(value) if dataclasses.is_dataclass(value) else value
+    if not dataclasses.is_dataclass(value):
+        return value
+    fields = dataclasses.asdict(value)
+    if whole:
+        return fields
+    defaults = dataclasses.asdict(type(value)())
+    return {k: v for k, v in fields.items() if k not in defaults or v != defaults[k]}
+
+
+def _legacy_config_hashes(stage: Stage, cfg: RunConfig) -> set[str]:
+    """Config fingerprints that eyas before the thirteenth session gave this stage's config: every field of
+    each section, with and without the keys added since (at their defaults)."""
+    values = {k: _config_value(cfg, k, whole=True) for k in stage.config}
+    hashes = {sha256_json(values)}
+    trimmed = {k: dict(v) if isinstance(v, dict) else v for k, v in values.items()}
+    for added in ADDED_SINCE_WHOLE_SECTIONS:
+        section, _, name = added.partition(".")
+        defaults = dataclasses.asdict(type(getattr(cfg, section))())
+        if isinstance(trimmed.get(section), dict) and trimmed[section].get(name) == defaults.get(name):
+            trimmed[section].pop(name, None)
+    hashes.add(sha256_json(trimmed))
+    return hashes
 
 
 def fingerprint_parts(stage: Stage, cfg: RunConfig, run: Path) -> dict[str, str]:
@@ -249,6 +278,9 @@ class Runner:
         parts = fingerprint_parts(stage, self.cfg, self.run)
         rec = self.state.get(stage.name, {})
         out = self.run / stage.writes
+        old = rec.get("parts") or {}
+        if old.get("config") not in (None, parts["config"]) and old["config"] in _legacy_config_hashes(stage, self.cfg):
+            old["config"] = parts["config"]  # recorded by an earlier eyas for the same values: the same inputs
         if rec.get("parts") == parts:
             if rec.get("status") == "done" and rec.get("outputs") == sha256_json(manifest(out)):
                 return "skip", "done, inputs unchanged"

@@ -69,6 +69,34 @@ def test_skip_rerun_on_change_and_removed_output(tmp_path):
     assert status(run) == {"a": "done", "b": "done", "c": "done"}
 
 
+def test_runs_fingerprinted_by_an_earlier_eyas_are_not_redone(tmp_path):
+    """Fingerprints hash only the fields that differ from their defaults, so a key added to eyas later leaves
+    them as they were; records written with whole sections (eyas before the thirteenth session, without the
+    keys added since) still match: nothing reruns, no output is removed."""
+    from eyas.common import sha256_json
+    from eyas.pipeline import _config_value
+
+    cfg = load_config("tiny")
+    assert "self_prompt_openers" not in _config_value(cfg, "data") and "num_prompts" in _config_value(cfg, "data")
+    steered = load_config("tiny", ['data.self_prompt_openers=["Write a Python function that"]'])
+    assert _config_value(steered, "data")["self_prompt_openers"] == ["Write a Python function that"]
+
+    run, record, stages = tmp_path / "run", tmp_path / "record.jsonl", chain(tmp_path)
+    run_pipeline(cfg, run, QUIET, stages)
+    state = json.loads((run / "stages.json").read_text())
+    older = {k: v for k, v in _config_value(cfg, "data", whole=True).items()
+             if k not in ("self_prompt_openers", "self_prompt_opener_share")}
+    state["a"]["parts"]["config"] = sha256_json({"data": older})  # as the twelfth session's eyas wrote it
+    state["b"]["parts"]["config"] = sha256_json({"train": _config_value(cfg, "train", whole=True)})
+    (run / "stages.json").write_text(json.dumps(state))
+    run_pipeline(cfg, run, QUIET, stages)
+    assert counts(record) == {"a": 1, "b": 1, "c": 1} and (run / "a").exists()
+    state["a"]["parts"]["config"] = sha256_json({"data": {**older, "num_prompts": 7}})  # really another config
+    (run / "stages.json").write_text(json.dumps(state))
+    run_pipeline(cfg, run, QUIET, stages)
+    assert counts(record) == {"a": 2, "b": 2, "c": 2}
+
+
 def test_failed_stage_resumes_and_later_stages_wait(tmp_path):
     run, record, flag = tmp_path / "run", tmp_path / "record.jsonl", tmp_path / "break-b"
     flag.write_text("")
