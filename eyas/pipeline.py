@@ -3,8 +3,9 @@ what is done, resumes what was interrupted, reruns what changed, and ends every 
 
 Each stage is one or more `python -m eyas <command> --config RUN/config.yaml ...` subprocesses, each in
 its own process group (eyas/gpu/procs.py). A stage's fingerprint covers the config keys it depends on
-(the fields that differ from their defaults) and a manifest (name, size, mtime) of each input; RUN/stages.json keeps the fingerprint and a manifest
-of the output of every finished stage, so a rerun of a finished run only reads the file system.
+and a manifest (name, size, mtime) of each input; RUN/stages.json keeps the fingerprint and a manifest
+of the output of every finished stage, so a rerun of a finished run only reads the file system. It also keeps
+the config values, so that a field added to eyas later (at its default) or dropped does not count as a change.
 With two or more GPUs, capture and training run at once on disjoint halves, training tailing the store.
 """
 
@@ -149,44 +150,72 @@ def manifest(path: Path) -> list | None:
     return rows
 
 
-# keys added to a config section after runs had been fingerprinted with the whole section (eyas before the
-# thirteenth session): a record of such a run matches the section without them (see _legacy_config_hashes)
-ADDED_SINCE_WHOLE_SECTIONS = ("data.self_prompt_openers", "data.self_prompt_opener_share")
-
-
-def _config_value(cfg: RunConfig, key: str, whole: bool = False):
-    """The value of `key` ("section" or "section.name") that fingerprints a stage: a section as a dict of
-    the fields that differ from their defaults, so that a key added to eyas later, at its default, leaves
-    the fingerprints of earlier runs as they were (whole: every field)."""
+def _config_value(cfg: RunConfig, key: str):
     section, _, name = key.partition(".")
     value = getattr(cfg, section)
     value = getattr(value, name) if name else value
-    if not dataclasses.is_dataclass(value):
-        return value
-    fields = dataclasses.asdict(value)
-    if whole:
-        return fields
-    defaults = dataclasses.asdict(type(value)())
-    return {k: v for k, v in fields.items() if k not in defaults or v != defaults[k]}
+    return dataclasses.asdict(value) if dataclasses.is_dataclass(value) else value
 
 
-def _legacy_config_hashes(stage: Stage, cfg: RunConfig) -> set[str]:
-    """Config fingerprints that eyas before the thirteenth session gave this stage's config: every field of
-    each section, with and without the keys added since (at their defaults)."""
-    values = {k: _config_value(cfg, k, whole=True) for k in stage.config}
-    hashes = {sha256_json(values)}
-    trimmed = {k: dict(v) if isinstance(v, dict) else v for k, v in values.items()}
-    for added in ADDED_SINCE_WHOLE_SECTIONS:
+def config_values(stage: Stage, cfg: RunConfig) -> dict:
+    """{config key: value} of the keys a stage depends on (a section as a dict of its fields)."""
+    return {k: _config_value(cfg, k) for k in stage.config}
+
+
+# keys added to config sections after stages.json began to record config values (see same_config)
+ADDED_BEFORE_VALUES_WERE_RECORDED = ("data.self_prompt_openers", "data.self_prompt_opener_share")
+
+
+def same_config(stage: Stage, cfg: RunConfig, recorded: dict) -> bool:
+    """Whether the config values a stage's record holds (written by this or an earlier eyas) are the current
+    config's, but for fields eyas added since, at their defaults, and fields it dropped: a new key must not
+    make a resumed run remove its outputs."""
+    now = config_values(stage, cfg)
+    for key, value in now.items():
+        if key not in recorded:
+            return False
+        old = recorded[key]
+        if not (isinstance(value, dict) and isinstance(old, dict)):
+            if value != old:
+                return False
+            continue
+        section = key.partition(".")[0]
+        defaults = dataclasses.asdict(type(getattr(cfg, section))())
+        for name, v in value.items():
+            if name in old:
+                if old[name] != v:
+                    return False
+            elif v != defaults.get(name):  # added since the record, and not at its default
+                return False
+    return True
+
+
+def changed_fields(stage: Stage, cfg: RunConfig, recorded: dict) -> list[str]:
+    """The config fields whose values differ from the record's (section.field), for the log."""
+    out = []
+    for key, value in config_values(stage, cfg).items():
+        old = recorded.get(key)
+        if isinstance(value, dict) and isinstance(old, dict):
+            out += [f"{key}.{name}" for name, v in value.items() if name in old and old[name] != v]
+        elif value != old:
+            out.append(key)
+    return out or ["fields added to eyas since"]
+
+
+def _config_hash_before_values(stage: Stage, cfg: RunConfig) -> str:
+    """The config fingerprint an eyas that recorded no values gave these values: without the keys added
+    since, when they are at their defaults."""
+    values = config_values(stage, cfg)
+    for added in ADDED_BEFORE_VALUES_WERE_RECORDED:
         section, _, name = added.partition(".")
         defaults = dataclasses.asdict(type(getattr(cfg, section))())
-        if isinstance(trimmed.get(section), dict) and trimmed[section].get(name) == defaults.get(name):
-            trimmed[section].pop(name, None)
-    hashes.add(sha256_json(trimmed))
-    return hashes
+        if isinstance(values.get(section), dict) and values[section].get(name) == defaults.get(name):
+            values[section].pop(name, None)
+    return sha256_json(values)
 
 
 def fingerprint_parts(stage: Stage, cfg: RunConfig, run: Path) -> dict[str, str]:
-    parts = {"config": sha256_json({k: _config_value(cfg, k) for k in stage.config})}
+    parts = {"config": sha256_json(config_values(stage, cfg))}
     for name in stage.reads:
         parts[name] = sha256_json(manifest(run / name))
     for path in stage.external(cfg):
@@ -279,8 +308,12 @@ class Runner:
         rec = self.state.get(stage.name, {})
         out = self.run / stage.writes
         old = rec.get("parts") or {}
-        if old.get("config") not in (None, parts["config"]) and old["config"] in _legacy_config_hashes(stage, self.cfg):
-            old["config"] = parts["config"]  # recorded by an earlier eyas for the same values: the same inputs
+        if old.get("config") not in (None, parts["config"]):
+            # another hash for the same values: fields added to eyas since, at their defaults, or dropped
+            same = same_config(stage, self.cfg, rec["config_values"]) if "config_values" in rec \
+                else old["config"] == _config_hash_before_values(stage, self.cfg)
+            if same:
+                old["config"] = parts["config"]
         if rec.get("parts") == parts:
             if rec.get("status") == "done" and rec.get("outputs") == sha256_json(manifest(out)):
                 return "skip", "done, inputs unchanged"
@@ -289,6 +322,9 @@ class Runner:
             return "fresh", "output missing"
         if rec.get("parts") and out.exists():
             changed = [k for k in parts if rec["parts"].get(k) != parts[k]]
+            if "config" in changed and "config_values" in rec:
+                fields = changed_fields(stage, self.cfg, rec["config_values"])
+                changed[changed.index("config")] = f"config: {', '.join(fields)}"
             shutil.rmtree(out) if out.is_dir() else out.unlink()
             return "fresh", f"inputs changed ({', '.join(changed)}): old output removed"
         if out.exists():
@@ -340,7 +376,8 @@ class Runner:
             ctx = Ctx(self.cfg, self.run, len(devices), action == "resume", tail=n > 0)
             cmds = [c for c in stage.commands(ctx) if not (action == "resume" and c.out and Path(c.out).exists())]
             rec = self.state.setdefault(stage.name, {})
-            rec.update(status="running", parts=fingerprint_parts(stage, self.cfg, self.run), devices=devices,
+            rec.update(status="running", parts=fingerprint_parts(stage, self.cfg, self.run),
+                       config_values=config_values(stage, self.cfg), devices=devices,
                        started_at=time.time(), log=str(self.run / "logs" / f"{stage.name}.log"))
             rec["attempts"] = rec.get("attempts", 0) + 1
             self.jobs.append(Job(stage, cmds, devices))

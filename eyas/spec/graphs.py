@@ -309,8 +309,8 @@ class GraphDecoder:
         import torch._dynamo as dynamo
 
         # FailOnRecompileLimitHit (fullgraph cannot fall back to eager) is not a TorchDynamoException
-        errors = tuple(e for e in (dynamo.exc.TorchDynamoException, getattr(dynamo.exc, "FailOnRecompileLimitHit", None))
-                       if e is not None)
+        limit_hit = getattr(dynamo.exc, "FailOnRecompileLimitHit", None)
+        errors = (dynamo.exc.TorchDynamoException,) + ((limit_hit,) if limit_hit else ())
         try:
             compiled = torch.compile(fn, backend=self.compile_draft, dynamic=False, fullgraph=True)
         except errors as e:  # an unknown backend, say

@@ -69,32 +69,48 @@ def test_skip_rerun_on_change_and_removed_output(tmp_path):
     assert status(run) == {"a": "done", "b": "done", "c": "done"}
 
 
-def test_runs_fingerprinted_by_an_earlier_eyas_are_not_redone(tmp_path):
-    """Fingerprints hash only the fields that differ from their defaults, so a key added to eyas later leaves
-    them as they were; records written with whole sections (eyas before the thirteenth session, without the
-    keys added since) still match: nothing reruns, no output is removed."""
+def test_a_key_added_to_eyas_later_does_not_rerun_a_stage(tmp_path, capsys):
+    """A record keeps the stage's config values: a field eyas added since (at its default) or dropped is no
+    change, another value is. Records of an eyas that kept no values match their hash without the keys added
+    since. Nothing reruns and no output is removed unless a value really changed."""
     from eyas.common import sha256_json
-    from eyas.pipeline import _config_value
+    from eyas.pipeline import config_values
 
     cfg = load_config("tiny")
-    assert "self_prompt_openers" not in _config_value(cfg, "data") and "num_prompts" in _config_value(cfg, "data")
-    steered = load_config("tiny", ['data.self_prompt_openers=["Write a Python function that"]'])
-    assert _config_value(steered, "data")["self_prompt_openers"] == ["Write a Python function that"]
-
     run, record, stages = tmp_path / "run", tmp_path / "record.jsonl", chain(tmp_path)
     run_pipeline(cfg, run, QUIET, stages)
     state = json.loads((run / "stages.json").read_text())
-    older = {k: v for k, v in _config_value(cfg, "data", whole=True).items()
-             if k not in ("self_prompt_openers", "self_prompt_opener_share")}
-    state["a"]["parts"]["config"] = sha256_json({"data": older})  # as the twelfth session's eyas wrote it
-    state["b"]["parts"]["config"] = sha256_json({"train": _config_value(cfg, "train", whole=True)})
-    (run / "stages.json").write_text(json.dumps(state))
-    run_pipeline(cfg, run, QUIET, stages)
-    assert counts(record) == {"a": 1, "b": 1, "c": 1} and (run / "a").exists()
-    state["a"]["parts"]["config"] = sha256_json({"data": {**older, "num_prompts": 7}})  # really another config
-    (run / "stages.json").write_text(json.dumps(state))
-    run_pipeline(cfg, run, QUIET, stages)
-    assert counts(record) == {"a": 2, "b": 2, "c": 2}
+    assert state["a"]["config_values"] == config_values(stages[0], cfg)
+
+    def rerun_with(edit) -> dict:
+        st = json.loads(json.dumps(state))
+        edit(st)
+        (run / "stages.json").write_text(json.dumps(st))
+        run_pipeline(cfg, run, QUIET, stages)
+        return counts(record)
+
+    def older_eyas(st):  # values without a field added since, another hash; and a field dropped since
+        data = st["a"]["config_values"]["data"]
+        del data["self_prompt_opener_share"]
+        data["a_dropped_key"] = 3
+        st["a"]["parts"]["config"] = "recorded-by-an-older-eyas"
+
+    assert rerun_with(older_eyas) == {"a": 1, "b": 1, "c": 1}
+
+    def no_values(st):  # an eyas that kept no values: the hash of the data section without the added keys
+        del st["a"]["config_values"]
+        data = {k: v for k, v in config_values(stages[0], cfg)["data"].items()
+                if k not in ("self_prompt_openers", "self_prompt_opener_share")}
+        st["a"]["parts"]["config"] = sha256_json({"data": data})
+
+    assert rerun_with(no_values) == {"a": 1, "b": 1, "c": 1} and (run / "a").exists()
+
+    def other_value(st):
+        st["a"]["config_values"]["data"]["num_prompts"] += 1
+        st["a"]["parts"]["config"] = "recorded-for-other-values"
+
+    assert rerun_with(other_value) == {"a": 2, "b": 2, "c": 2}
+    assert "inputs changed (config: data.num_prompts): old output removed" in capsys.readouterr().out
 
 
 def test_failed_stage_resumes_and_later_stages_wait(tmp_path):
