@@ -173,13 +173,14 @@ def test_a_draft_compile_past_the_recompile_limit_is_a_clear_error(tiny_target, 
     from eyas.common import EyasError
 
     dynamo.reset()
-    monkeypatch.setattr(dynamo.config, "recompile_limit", 1)
     monkeypatch.setattr(graphs, "RECOMPILE_LIMIT", 1)
     draft, aux = untrained_draft(tiny_target)
-    SpecEngine(tiny_target.model, draft, aux, static=True, compile_draft="eager").generate(PROMPT, 8, steps=2)
-    with pytest.raises(EyasError, match=r"failed on the draft's pass \(chain-3\).*without --compile-draft"):
-        SpecEngine(tiny_target.model, draft, aux, static=True, compile_draft="eager").generate(PROMPT, 8, steps=3)
+    with dynamo.config.patch(recompile_limit=1):  # restored after (monkeypatch's undo deletes dynamo's key)
+        SpecEngine(tiny_target.model, draft, aux, static=True, compile_draft="eager").generate(PROMPT, 8, steps=2)
+        with pytest.raises(EyasError, match=r"failed on the draft's pass \(chain-3\).*without --compile-draft"):
+            SpecEngine(tiny_target.model, draft, aux, static=True, compile_draft="eager").generate(PROMPT, 8, steps=3)
     dynamo.reset()
+    assert dynamo.config.recompile_limit >= 1
 
 
 def test_the_static_trees_argsort_is_stable_like_torch_sort():
