@@ -162,44 +162,30 @@ def config_values(stage: Stage, cfg: RunConfig) -> dict:
     return {k: _config_value(cfg, k) for k in stage.config}
 
 
-# keys added to config sections after stages.json began to record config values (see same_config)
+# keys added to config sections before stages.json began to record config values (see decide)
 ADDED_BEFORE_VALUES_WERE_RECORDED = ("data.self_prompt_openers", "data.self_prompt_opener_share")
 
 
-def same_config(stage: Stage, cfg: RunConfig, recorded: dict) -> bool:
-    """Whether the config values a stage's record holds (written by this or an earlier eyas) are the current
-    config's, but for fields eyas added since, at their defaults, and fields it dropped: a new key must not
-    make a resumed run remove its outputs."""
-    now = config_values(stage, cfg)
-    for key, value in now.items():
-        if key not in recorded:
-            return False
-        old = recorded[key]
-        if not (isinstance(value, dict) and isinstance(old, dict)):
-            if value != old:
-                return False
-            continue
-        section = key.partition(".")[0]
-        defaults = dataclasses.asdict(type(getattr(cfg, section))())
-        for name, v in value.items():
-            if name in old:
-                if old[name] != v:
-                    return False
-            elif v != defaults.get(name):  # added since the record, and not at its default
-                return False
-    return True
+def _defaults(cfg: RunConfig, section: str) -> dict:
+    return dataclasses.asdict(type(getattr(cfg, section))())
 
 
-def changed_fields(stage: Stage, cfg: RunConfig, recorded: dict) -> list[str]:
-    """The config fields whose values differ from the record's (section.field), for the log."""
-    out = []
+def config_changes(stage: Stage, cfg: RunConfig, recorded: dict) -> list[str]:
+    """The config keys or fields (section.field) whose current values differ from those a stage's record
+    holds (written by this or an earlier eyas). A field eyas added since the record counts only when it is
+    not at its default, and a field it dropped not at all: a new key must not make a resumed run remove
+    its outputs."""
+    changes = []
     for key, value in config_values(stage, cfg).items():
         old = recorded.get(key)
-        if isinstance(value, dict) and isinstance(old, dict):
-            out += [f"{key}.{name}" for name, v in value.items() if name in old and old[name] != v]
-        elif value != old:
-            out.append(key)
-    return out or ["fields added to eyas since"]
+        if not (isinstance(value, dict) and isinstance(old, dict)):
+            if key not in recorded or value != old:
+                changes.append(key)
+            continue
+        defaults = _defaults(cfg, key.partition(".")[0])
+        changes += [f"{key}.{name}" for name, v in value.items()
+                    if (old[name] if name in old else defaults.get(name)) != v]
+    return changes
 
 
 def _config_hash_before_values(stage: Stage, cfg: RunConfig) -> str:
@@ -208,8 +194,7 @@ def _config_hash_before_values(stage: Stage, cfg: RunConfig) -> str:
     values = config_values(stage, cfg)
     for added in ADDED_BEFORE_VALUES_WERE_RECORDED:
         section, _, name = added.partition(".")
-        defaults = dataclasses.asdict(type(getattr(cfg, section))())
-        if isinstance(values.get(section), dict) and values[section].get(name) == defaults.get(name):
+        if isinstance(values.get(section), dict) and values[section].get(name) == _defaults(cfg, section).get(name):
             values[section].pop(name, None)
     return sha256_json(values)
 
@@ -307,11 +292,14 @@ class Runner:
         parts = fingerprint_parts(stage, self.cfg, self.run)
         rec = self.state.get(stage.name, {})
         out = self.run / stage.writes
-        old = rec.get("parts") or {}
+        old, changes = rec.get("parts") or {}, None
         if old.get("config") not in (None, parts["config"]):
-            # another hash for the same values: fields added to eyas since, at their defaults, or dropped
-            same = same_config(stage, self.cfg, rec["config_values"]) if "config_values" in rec \
-                else old["config"] == _config_hash_before_values(stage, self.cfg)
+            # another hash for the same values (fields added to eyas since, at their defaults, or dropped)?
+            if "config_values" in rec:
+                changes = config_changes(stage, self.cfg, rec["config_values"])
+                same = not changes
+            else:
+                same = old["config"] == _config_hash_before_values(stage, self.cfg)
             if same:
                 old["config"] = parts["config"]
         if rec.get("parts") == parts:
@@ -322,9 +310,8 @@ class Runner:
             return "fresh", "output missing"
         if rec.get("parts") and out.exists():
             changed = [k for k in parts if rec["parts"].get(k) != parts[k]]
-            if "config" in changed and "config_values" in rec:
-                fields = changed_fields(stage, self.cfg, rec["config_values"])
-                changed[changed.index("config")] = f"config: {', '.join(fields)}"
+            if "config" in changed and changes:
+                changed[changed.index("config")] = f"config: {', '.join(changes)}"
             shutil.rmtree(out) if out.is_dir() else out.unlink()
             return "fresh", f"inputs changed ({', '.join(changed)}): old output removed"
         if out.exists():
