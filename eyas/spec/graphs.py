@@ -140,12 +140,12 @@ class StaticDraftCache(DraftCache):
         return self
 
 
-def draft_pass(draft, hidden, ids, position_ids, mask, k_store, v_store, slots, width: int):
-    """The draft's forward over its static cache given as tensors (entries written at `slots`, the first `width`
-    slots read): what `GraphDecoder._draft` runs under compile_draft, so that a compiled pass traces no writes
-    to the decoder's cache object. -> (hidden_out [1, T, H], logits [1, T, Vd])."""
-    cache = StaticDraftCache(k_store, v_store)
-    cache.slots, cache.width = slots, width
+def draft_pass(draft, hidden, ids, position_ids, mask, k_store, v_store, slots):
+    """The draft's forward over its whole static cache given as tensors (entries written at `slots`): what
+    `GraphDecoder._draft` runs under compile_draft, so that a compiled pass traces no writes to the decoder's
+    cache object. -> (hidden_out [1, T, H], logits [1, T, Vd])."""
+    cache = StaticDraftCache(k_store, v_store)  # reads every slot: its width is the stores'
+    cache.slots = slots
     out = draft(hidden, ids, position_ids, past_key_values=cache, attention_mask=mask)
     return out.hidden_out, out.logits
 
@@ -295,7 +295,7 @@ class GraphDecoder:
             mask = self.dcols[None, :] <= positions[:, None]  # [T, W]
         if self.draft_full_width:  # traced inside a compiled pass: the cache as tensors, no attribute writes
             hidden_out, logits = draft_pass(self.draft, hidden, ids, positions[None], mask, self.dcache.k_store,
-                                            self.dcache.v_store, slots, self.capacity)
+                                            self.dcache.v_store, slots)
             return DraftOutput(hidden_out, logits, self.dcache)
         self.dcache.slots = slots
         return self.draft(hidden, ids, positions[None], past_key_values=self.dcache, attention_mask=mask)
