@@ -186,6 +186,9 @@ class TrainConfig:
     compile_loss: bool = False
     val_samples: int = 0  # samples held out of training, scored every val_every steps (0 = none)
     val_every: int = 100  # optimizer steps between held-out scorings (and at the last step)
+    # start from this draft's weights and vocabulary (a run dir, checkpoint or export eyas can load) instead of
+    # a fresh draft: fine-tuning on this run's data, with a fresh optimizer and schedule ("" = a new draft)
+    init_from: str = ""
 
     def __post_init__(self):
         _one_of("train.attention", self.attention, ("dense", "flex", "reference"))

@@ -36,6 +36,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--epochs", type=float, help="passes over the data (used when steps is 0)")
     parser.add_argument("--ttt", type=int, help="training-time-test length K (1 = no TTT)")
     parser.add_argument("--lr", type=float, help="peak learning rate")
+    parser.add_argument("--init-from", metavar="DRAFT", help="fine-tune this draft (run dir, checkpoint or export) "
+                        "on this data instead of training a new one; it keeps its vocabulary (train.init_from)")
     parser.add_argument("--resume", action="store_true", help="continue from RUN_DIR/latest if it exists")
     parser.add_argument("--tail", action="store_true", help="the store is still being captured: train on its shards "
                                                              "as they are committed (waits for the manifest and each shard)")
@@ -51,7 +53,7 @@ def config_from_args(args):
     sets = list(args.set)
     if args.target:
         sets.append(f"target.spec={args.target}")
-    sets += flag_overrides(args, "train", "steps", "epochs", "ttt", "lr")
+    sets += flag_overrides(args, "train", "steps", "epochs", "ttt", "lr", "init_from")
     if args.steps is None and args.epochs is not None:
         sets.append("train.steps=0")
     return load_config(args.config, sets)

@@ -91,11 +91,50 @@ def build_draft(source: TrainSource, features: str) -> Eagle3Draft:
     return draft
 
 
+def init_draft(path: str, source: TrainSource, features: str, fresh: Eagle3Draft) -> Eagle3Draft:
+    """The draft at `path` (train.init_from), checked against what this run trains on, to fine-tune.
+
+    It keeps its own draft vocabulary (its head is trained on it), whatever the prepared data's is; its
+    architecture, aux layers, features and target must be this run's, or the error names the difference."""
+    from eyas.export.load import load_draft
+
+    draft, meta = load_draft(path, embed_tokens=source.embed_weight)
+    where = f"train.init_from={path!r}"
+    ours, theirs = fresh.cfg.to_dict(), draft.cfg.to_dict()
+    differ = [f"{k} {theirs.get(k)!r} (this run: {v!r})" for k, v in ours.items()
+              if k != "draft_vocab_size" and theirs.get(k) != v]
+    if differ:
+        raise EyasError(f"{where}: that draft was built differently from the one this run trains: "
+                        f"{', '.join(differ)}; give a draft trained for this target and features, or drop "
+                        f"train.init_from to train a new one")
+    aux = source.aux_layers[-1:] if features == "last" else list(source.aux_layers)
+    if meta.get("aux_layers") is not None and list(meta["aux_layers"]) != aux:
+        raise EyasError(f"{where}: that draft reads aux layers {meta['aux_layers']} (HF numbering), this run's "
+                        f"features come from {aux}; capture at its layers (capture.aux_layers) or drop train.init_from")
+    if meta.get("features") and meta["features"] != features:
+        raise EyasError(f"{where}: that draft was trained with train.features={meta['features']!r}, this run uses "
+                        f"{features!r}")
+    known, target = meta.get("target") or {}, source.target or {}
+    if known.get("config_hash") and target.get("config_hash") and known["config_hash"] != target["config_hash"]:
+        raise EyasError(f"{where}: that draft was trained for target {known.get('name')!r} "
+                        f"({known['config_hash']}), this run's store holds {target.get('name')!r} "
+                        f"({target['config_hash']}); a draft only fits the target whose hidden states it read")
+    if not known.get("config_hash"):
+        warn(f"{where}: that draft does not record its target; its shapes match {target.get('name')!r}, so "
+             f"training goes on, assuming it was trained for this target")
+    draft.embed_tokens.weight.data.copy_(source.embed_weight.float())
+    if source.d2t is not None and not torch.equal(source.d2t, draft.d2t):
+        shared = int((source.t2d & draft.t2d).sum())
+        print0(f"{where}: the draft keeps its vocabulary of {draft.cfg.draft_vocab_size} tokens; it holds {shared} "
+               f"of the {len(source.d2t)} this data would have chosen")
+    return draft.train()
+
+
 def draft_meta(draft: Eagle3Draft, source: TrainSource, cfg: RunConfig) -> dict:
     aux = source.aux_layers[-1:] if cfg.train.features == "last" else source.aux_layers
     return {"draft_config": draft.cfg.to_dict(), "aux_layers": list(aux), "features": cfg.train.features,
             "target": source.target, "target_spec": source.target_spec, "store": source.store, "ttt": cfg.train.ttt,
-            "target_num_layers": source.num_layers,
+            "target_num_layers": source.num_layers, "init_from": cfg.train.init_from or None,
             "target_architectures": source.target_config.get("architectures")}
 
 
@@ -116,6 +155,9 @@ def _train(cfg, tc, run_dir: Path, source: TrainSource, resume: bool, info: dist
     if info.rank == 0:
         run_dir.mkdir(parents=True, exist_ok=True)
     draft = build_draft(source, tc.features)
+    if tc.init_from:  # its shape and vocabulary; a resumed run then loads its own weights over it
+        draft = init_draft(tc.init_from, source, tc.features, draft)
+        print0(f"fine-tuning the draft of {tc.init_from} (train.init_from): a fresh optimizer and schedule")
     print0(f"draft: {draft.num_trainable_params() / 1e6:.2f}M trainable parameters "
            f"(H {draft.cfg.hidden_size}, Vd {draft.cfg.draft_vocab_size}, fc {draft.cfg.num_aux_layers}*H -> H, "
            f"features {tc.features}, TTT {tc.ttt})")

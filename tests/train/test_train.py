@@ -265,3 +265,67 @@ def test_held_out_samples_are_never_trained_on_and_are_scored_with_the_final_wei
 
     with pytest.raises(EyasError, match="more than half of the 24"):
         source.batchers(128, 0, val_samples=13)
+
+
+def _other_vocab(source):
+    """The same source with a different draft vocabulary (the first quarter of the ids, then the top)."""
+    from synthetic_train import V, VD
+
+    d2t = torch.zeros(VD, dtype=torch.long)
+    d2t[VD // 4:] = V - VD
+    t2d = torch.zeros(V, dtype=torch.bool)
+    t2d[torch.arange(VD) + d2t] = True
+    source.d2t, source.t2d = d2t, t2d
+    return source
+
+
+def test_init_from_fine_tunes_an_earlier_draft_which_keeps_its_vocabulary(tmp_path, capsys):
+    first = tmp_path / "first"
+    train(small_config(["train.steps=20"]), first, synthetic_source(), device="cpu")
+    start = final_weights(first)
+    # a learning rate too small to move a weight by 1e-9: the fine-tuned draft must come out as it went in
+    tuned = tmp_path / "tuned"
+    cfg = small_config(["train.steps=2", "train.lr=1e-12", f"train.init_from={first}"])
+    train(cfg, tuned, _other_vocab(synthetic_source(seed=1)), device="cpu")
+    out = capsys.readouterr().out
+    assert "fine-tuning the draft of" in out and "keeps its vocabulary of 64 tokens; it holds 48 of the 64" in out
+    got = final_weights(tuned)
+    assert set(got) == set(start)
+    for name in start:
+        assert torch.allclose(got[name].float(), start[name].float(), atol=1e-6), name
+    assert torch.equal(got["d2t"], start["d2t"])  # the draft's own vocabulary, not the new data's
+    assert json.loads((tuned / "latest" / "draft.json").read_text())["init_from"] == str(first)
+    # a fresh draft on the same data starts elsewhere, and fine-tuning from the trained one starts lower
+    fresh = tmp_path / "fresh"
+    train(small_config(["train.steps=2", "train.lr=1e-12"]), fresh, _other_vocab(synthetic_source(seed=1)),
+          device="cpu")
+    assert not torch.allclose(final_weights(fresh)["fc.weight"], start["fc.weight"])
+    assert first_loss(tuned) < first_loss(fresh)
+
+
+def first_loss(run_dir):
+    return json.loads((Path(run_dir) / "metrics.jsonl").read_text().splitlines()[0])["loss"]
+
+
+def test_init_from_refuses_a_draft_that_does_not_fit_and_names_why(tmp_path):
+    from eyas.common import EyasError
+
+    last = tmp_path / "last"
+    train(small_config(["train.features=last", "train.ttt=1", "train.steps=2"]), last, synthetic_source(),
+          device="cpu")
+    with pytest.raises(EyasError, match=r"num_aux_layers 1 \(this run: 3\)"):
+        train(small_config([f"train.init_from={last}"]), tmp_path / "a", synthetic_source(), device="cpu")
+    fused = tmp_path / "fused"
+    train(small_config(["train.steps=2"]), fused, synthetic_source(), device="cpu")
+    other = synthetic_source()
+    other.target = {**other.target, "name": "other", "config_hash": "1"}
+    with pytest.raises(EyasError, match="trained for target 'synthetic' .* holds 'other'"):
+        train(small_config([f"train.init_from={fused}"]), tmp_path / "b", other, device="cpu")
+    shifted = synthetic_source()
+    shifted.aux_layers = [0, 1, 2]
+    with pytest.raises(EyasError, match=r"reads aux layers \[1, 2, 3\] .* come from \[0, 1, 2\]"):
+        train(small_config([f"train.init_from={fused}"]), tmp_path / "c", shifted, device="cpu")
+    with pytest.raises(EyasError, match="no such file or directory"):
+        train(small_config([f"train.init_from={tmp_path / 'missing'}"]), tmp_path / "d", synthetic_source(),
+              device="cpu")
+    assert not (tmp_path / "a" / "latest").exists() and not (tmp_path / "c" / "latest").exists()
