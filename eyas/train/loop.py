@@ -91,6 +91,13 @@ def build_draft(source: TrainSource, features: str) -> Eagle3Draft:
     return draft
 
 
+def _same(a, b) -> bool:
+    """Equal, floats to fp32 precision (an export may write 1e-5 as 9.999999747378752e-06)."""
+    if isinstance(a, float) and isinstance(b, float):
+        return math.isclose(a, b, rel_tol=1e-6)
+    return a == b
+
+
 def init_draft(path: str, source: TrainSource, features: str, fresh: Eagle3Draft) -> Eagle3Draft:
     """The draft at `path` (train.init_from), checked against what this run trains on, to fine-tune.
 
@@ -102,7 +109,7 @@ def init_draft(path: str, source: TrainSource, features: str, fresh: Eagle3Draft
     where = f"train.init_from={path!r}"
     ours, theirs = fresh.cfg.to_dict(), draft.cfg.to_dict()
     differ = [f"{k} {theirs.get(k)!r} (this run: {v!r})" for k, v in ours.items()
-              if k != "draft_vocab_size" and theirs.get(k) != v]
+              if k != "draft_vocab_size" and not _same(theirs.get(k), v)]
     if differ:
         raise EyasError(f"{where}: that draft was built differently from the one this run trains: "
                         f"{', '.join(differ)}; give a draft trained for this target and features, or drop "
