@@ -175,5 +175,10 @@ def main(args) -> int:
         if not args.store:
             raise EyasError("--source store needs --store STORE (or use --source online --data PREPARED_DIR)")
         source = store_training_source(cfg, args)
-    train(cfg, args.out, source, resume=args.resume, device=device)
+    init = None
+    if cfg.train.init_from:
+        from eyas.export.load import load_draft
+
+        init = load_draft(cfg.train.init_from, embed_tokens=source.embed_weight)
+    train(cfg, args.out, source, resume=args.resume, device=device, init=init)
     return 0

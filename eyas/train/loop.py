@@ -98,14 +98,14 @@ def _same(a, b) -> bool:
     return a == b
 
 
-def init_draft(path: str, source: TrainSource, features: str, fresh: Eagle3Draft) -> Eagle3Draft:
-    """The draft at `path` (train.init_from), checked against what this run trains on, to fine-tune.
+def init_draft(init: tuple[Eagle3Draft, dict], path: str, source: TrainSource, features: str,
+               fresh: Eagle3Draft) -> Eagle3Draft:
+    """The draft loaded from `path` (train.init_from; `init` is what eyas.export.load_draft returned for it),
+    checked against what this run trains on, to fine-tune.
 
     It keeps its own draft vocabulary (its head is trained on it), whatever the prepared data's is; its
     architecture, aux layers, features and target must be this run's, or the error names the difference."""
-    from eyas.export.load import load_draft
-
-    draft, meta = load_draft(path, embed_tokens=source.embed_weight)
+    draft, meta = init
     where = f"train.init_from={path!r}"
     ours, theirs = fresh.cfg.to_dict(), draft.cfg.to_dict()
     differ = [f"{k} {theirs.get(k)!r} (this run: {v!r})" for k, v in ours.items()
@@ -146,24 +146,30 @@ def draft_meta(draft: Eagle3Draft, source: TrainSource, cfg: RunConfig) -> dict:
 
 
 def train(cfg: RunConfig, out_dir: str | Path, source: TrainSource, *, resume: bool = False,
-          device: str = "auto") -> dict:
-    """Train a draft into out_dir (checkpoints, metrics, curves); returns a summary dict."""
+          device: str = "auto", init: tuple[Eagle3Draft, dict] | None = None) -> dict:
+    """Train a draft into out_dir (checkpoints, metrics, curves); returns a summary dict.
+
+    With train.init_from set, `init` is that draft as `eyas.export.load_draft(cfg.train.init_from)` returns it
+    (training sits below export in the layering, so the caller loads it: `eyas train` does)."""
     tc = cfg.train
+    if tc.init_from and init is None:
+        raise EyasError(f"train.init_from={tc.init_from!r} is set but no draft was passed: load it with "
+                        f"eyas.export.load_draft(path) and pass the result as init=")
     info = dist.init_distributed(device)
     try:
-        return _train(cfg, tc, Path(out_dir), source, resume, info)
+        return _train(cfg, tc, Path(out_dir), source, resume, info, init)
     finally:
         dist.cleanup(info)
 
 
-def _train(cfg, tc, run_dir: Path, source: TrainSource, resume: bool, info: dist.DistInfo) -> dict:
+def _train(cfg, tc, run_dir: Path, source: TrainSource, resume: bool, info: dist.DistInfo, init) -> dict:
     # ---- setup
     seed_all(tc.seed)
     if info.rank == 0:
         run_dir.mkdir(parents=True, exist_ok=True)
     draft = build_draft(source, tc.features)
     if tc.init_from:  # its shape and vocabulary; a resumed run then loads its own weights over it
-        draft = init_draft(tc.init_from, source, tc.features, draft)
+        draft = init_draft(init, tc.init_from, source, tc.features, draft)
         print0(f"fine-tuning the draft of {tc.init_from} (train.init_from): a fresh optimizer and schedule")
     print0(f"draft: {draft.num_trainable_params() / 1e6:.2f}M trainable parameters "
            f"(H {draft.cfg.hidden_size}, Vd {draft.cfg.draft_vocab_size}, fc {draft.cfg.num_aux_layers}*H -> H, "

@@ -279,6 +279,13 @@ def _other_vocab(source):
     return source
 
 
+def fine_tune(cfg, out, source, **kw):
+    """train() as `eyas train` calls it with train.init_from set: the draft loaded by the command layer."""
+    from eyas.export.load import load_draft
+
+    return train(cfg, out, source, device="cpu", init=load_draft(cfg.train.init_from), **kw)
+
+
 def test_init_from_fine_tunes_an_earlier_draft_which_keeps_its_vocabulary(tmp_path, capsys):
     first = tmp_path / "first"
     train(small_config(["train.steps=20"]), first, synthetic_source(), device="cpu")
@@ -286,7 +293,7 @@ def test_init_from_fine_tunes_an_earlier_draft_which_keeps_its_vocabulary(tmp_pa
     # a learning rate too small to move a weight by 1e-9: the fine-tuned draft must come out as it went in
     tuned = tmp_path / "tuned"
     cfg = small_config(["train.steps=2", "train.lr=1e-12", f"train.init_from={first}"])
-    train(cfg, tuned, _other_vocab(synthetic_source(seed=1)), device="cpu")
+    fine_tune(cfg, tuned, _other_vocab(synthetic_source(seed=1)))
     out = capsys.readouterr().out
     assert "fine-tuning the draft of" in out and "keeps its vocabulary of 64 tokens; it holds 48 of the 64" in out
     got = final_weights(tuned)
@@ -314,18 +321,19 @@ def test_init_from_refuses_a_draft_that_does_not_fit_and_names_why(tmp_path):
     train(small_config(["train.features=last", "train.ttt=1", "train.steps=2"]), last, synthetic_source(),
           device="cpu")
     with pytest.raises(EyasError, match=r"num_aux_layers 1 \(this run: 3\)"):
-        train(small_config([f"train.init_from={last}"]), tmp_path / "a", synthetic_source(), device="cpu")
+        fine_tune(small_config([f"train.init_from={last}"]), tmp_path / "a", synthetic_source())
     fused = tmp_path / "fused"
     train(small_config(["train.steps=2"]), fused, synthetic_source(), device="cpu")
     other = synthetic_source()
     other.target = {**other.target, "name": "other", "config_hash": "1"}
     with pytest.raises(EyasError, match="trained for target 'synthetic' .* holds 'other'"):
-        train(small_config([f"train.init_from={fused}"]), tmp_path / "b", other, device="cpu")
+        fine_tune(small_config([f"train.init_from={fused}"]), tmp_path / "b", other)
     shifted = synthetic_source()
     shifted.aux_layers = [0, 1, 2]
     with pytest.raises(EyasError, match=r"reads aux layers \[1, 2, 3\] .* come from \[0, 1, 2\]"):
-        train(small_config([f"train.init_from={fused}"]), tmp_path / "c", shifted, device="cpu")
+        fine_tune(small_config([f"train.init_from={fused}"]), tmp_path / "c", shifted)
     with pytest.raises(EyasError, match="no such file or directory"):
-        train(small_config([f"train.init_from={tmp_path / 'missing'}"]), tmp_path / "d", synthetic_source(),
-              device="cpu")
+        fine_tune(small_config([f"train.init_from={tmp_path / 'missing'}"]), tmp_path / "d", synthetic_source())
+    with pytest.raises(EyasError, match="no draft was passed"):  # the Python API asks for the loaded draft
+        train(small_config([f"train.init_from={fused}"]), tmp_path / "e", synthetic_source(), device="cpu")
     assert not (tmp_path / "a" / "latest").exists() and not (tmp_path / "c" / "latest").exists()

@@ -104,3 +104,23 @@ def test_tail_trains_on_committed_shards_while_the_capture_runs(prepared_and_sto
     assert steps_before_complete >= 1, "training waited for the complete store instead of tailing it"
     state = json.loads((run / "latest" / "trainer_state.json").read_text())
     assert state["step"] == 8 and state["tokens"] > 0
+
+
+def test_init_from_fine_tunes_an_exported_draft(prepared_and_store, capsys):
+    """`eyas train --init-from` with a speculators export (what the fourteenth session fine-tuned on the H200):
+    the weights start from the export's, and the checkpoint records where they came from."""
+    root = prepared_and_store
+    store = ["--store", str(root / "store")]
+    assert eyas_main(["train", *TINY, *store, "--out", str(root / "base")]) == 0
+    assert eyas_main(["export", str(root / "base"), "--to", "speculators", "--out", str(root / "exp")]) == 0
+    capsys.readouterr()
+    tuned = root / "tuned"
+    assert eyas_main(["train", *TINY, "--lr", "1e-12", *store, "--init-from", str(root / "exp"),
+                      "--out", str(tuned)]) == 0
+    assert "fine-tuning the draft of" in capsys.readouterr().out
+    base, got = load_file(str(root / "base" / "latest" / "model.safetensors")), load_file(str(tuned / "latest" / "model.safetensors"))
+    # the export is bf16: the fine-tuned weights are the base run's rounded to it
+    torch.testing.assert_close(got["fc.weight"], base["fc.weight"].bfloat16().float(), rtol=0, atol=1e-6)
+    assert json.loads((tuned / "latest" / "draft.json").read_text())["init_from"] == str(root / "exp")
+    rc = eyas_main(["train", *TINY, *store, "--init-from", str(root / "nowhere"), "--out", str(root / "bad")])
+    assert rc == 2 and "no such file or directory" in capsys.readouterr().err
