@@ -641,6 +641,9 @@ def write_report(run: Path, cfg: RunConfig, state: dict) -> list[str]:
         summary.append(f"store    {format_bytes(size)}")
     if (run / "train").exists():
         md += ["", "## Training", ""]
+        init = (_read(run / "train" / "latest" / "draft.json") or {}).get("init_from")
+        if init:
+            md += [f"Fine-tuned from `{init}` (train.init_from): the draft kept its weights and vocabulary.", ""]
         last = _last_metrics(run)
         if last:
             md.append("Last logged step: " + ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"

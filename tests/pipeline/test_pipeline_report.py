@@ -39,6 +39,11 @@ def test_report_from_stage_outputs(tmp_path):
     assert "sglang.launch_server --model-path tiny" in md and "--speculative-num-draft-tokens 4" in md
     assert (run / "acceptance.png").exists()
     assert any("tau 1.750" in line for line in summary)
+    assert "Fine-tuned from" not in md
+    (run / "train" / "latest").mkdir()
+    (run / "train" / "latest" / "draft.json").write_text(json.dumps({"init_from": "/drafts/code"}))
+    write_report(run, load_config("tiny"), state)
+    assert "Fine-tuned from `/drafts/code` (train.init_from)" in (run / "report.md").read_text()
 
 
 @pytest.mark.skipif(nvml.available(), reason="a GPU is present")
