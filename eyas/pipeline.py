@@ -162,8 +162,9 @@ def config_values(stage: Stage, cfg: RunConfig) -> dict:
     return {k: _config_value(cfg, k) for k in stage.config}
 
 
-# keys added to config sections before stages.json began to record config values (see decide)
-ADDED_BEFORE_VALUES_WERE_RECORDED = ("data.self_prompt_openers", "data.self_prompt_opener_share")
+# fields added to config sections since the last eyas that recorded only a config hash in stages.json: its
+# records match the hash of today's values without them (at their defaults). A new field goes here too
+ADDED_SINCE_HASH_ONLY_RECORDS = ("data.self_prompt_openers", "data.self_prompt_opener_share", "train.init_from")
 
 
 def _defaults(cfg: RunConfig, section: str) -> dict:
@@ -192,7 +193,7 @@ def _config_hash_before_values(stage: Stage, cfg: RunConfig) -> str:
     """The config fingerprint an eyas that recorded no values gave these values: without the keys added
     since, when they are at their defaults."""
     values = config_values(stage, cfg)
-    for added in ADDED_BEFORE_VALUES_WERE_RECORDED:
+    for added in ADDED_SINCE_HASH_ONLY_RECORDS:
         section, _, name = added.partition(".")
         if isinstance(values.get(section), dict) and values[section].get(name) == _defaults(cfg, section).get(name):
             values[section].pop(name, None)
