@@ -120,7 +120,7 @@ STAGES = (
     Stage("capture", ("prepared",),          "store",    ("target", "capture"),                "all",      _capture,
           when=_store_mode),
     Stage("train",   ("prepared", "store"),  "train",    ("target", "capture.mode", "train"),  "all",      _train,
-          tails="capture"),
+          tails="capture", external=lambda cfg: [cfg.train.init_from] if cfg.train.init_from else []),
     Stage("eval",    ("train",),             "eval",     ("target", "eval"),                   "one",      _eval),
     Stage("export",  ("train",),             "export",   ("export",),                          "none",     _export),
 )

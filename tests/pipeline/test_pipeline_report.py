@@ -58,3 +58,19 @@ def test_multi_gpu_example_config_loads():
 
     cfg = load_config(str(Path(__file__).resolve().parents[2] / "examples" / "llama3-8b-multi-gpu.yaml"))
     assert cfg.name == "llama3-8b" and cfg.capture.mode == "store" and cfg.target.dtype == "bf16"
+
+
+def test_the_train_stage_fingerprints_the_draft_it_fine_tunes(tmp_path):
+    """train.init_from is read from outside the run: new weights there make the train stage stale."""
+    from eyas.pipeline import STAGES, fingerprint_parts
+
+    train = next(s for s in STAGES if s.name == "train")
+    assert list(fingerprint_parts(train, load_config("tiny"), tmp_path)) == ["config", "prepared", "store"]
+    draft = tmp_path / "draft"
+    draft.mkdir()
+    (draft / "model.safetensors").write_bytes(b"a")
+    cfg = load_config("tiny", [f"train.init_from={draft}"])
+    before = fingerprint_parts(train, cfg, tmp_path)
+    assert list(before) == ["config", "prepared", "store", str(draft)]
+    (draft / "model.safetensors").write_bytes(b"bb")
+    assert fingerprint_parts(train, cfg, tmp_path)[str(draft)] != before[str(draft)]
