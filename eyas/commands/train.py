@@ -168,6 +168,9 @@ def main(args) -> int:
     from eyas.train import train
 
     cfg = config_from_args(args)
+    if cfg.train.init_from and args.vocab:
+        raise EyasError(f"--vocab has no effect with train.init_from={cfg.train.init_from!r}: a fine-tuned draft keeps "
+                        f"the vocabulary its head was trained on; drop --vocab")
     device = args.device or "auto"
     if args.source == "online":
         source, device = online_training_source(cfg, args)

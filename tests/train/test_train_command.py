@@ -124,3 +124,7 @@ def test_init_from_fine_tunes_an_exported_draft(prepared_and_store, capsys):
     assert json.loads((tuned / "latest" / "draft.json").read_text())["init_from"] == str(root / "exp")
     rc = eyas_main(["train", *TINY, *store, "--init-from", str(root / "nowhere"), "--out", str(root / "bad")])
     assert rc == 2 and "no such file or directory" in capsys.readouterr().err
+    rc = eyas_main(["train", *TINY, *store, "--init-from", str(root / "exp"), "--out", str(root / "bad"),
+                    "--vocab", str(root / "prepared" / "vocab.safetensors")])
+    assert rc == 2 and "--vocab has no effect" in capsys.readouterr().err
+    assert not (root / "bad" / "latest").exists()
