@@ -504,9 +504,23 @@ def _log_tail(log: Path, lines: int = 15) -> str:
     return "\n--- last lines of the log ---\n" + "\n".join(tail)
 
 
+def check_inputs_outside(cfg: RunConfig, run: Path) -> None:
+    """A draft to fine-tune must not lie in the run directory: the stages replace their outputs when their
+    inputs change (setting train.init_from changes the train stage's), so the draft would be removed before
+    training read it, or, as an export, after."""
+    if not cfg.train.init_from:
+        return
+    init, root = Path(cfg.train.init_from).expanduser().resolve(), run.expanduser().resolve()
+    if init == root or root in init.parents:
+        raise EyasError(f"train.init_from={cfg.train.init_from!r} lies in the run directory {run}, whose stages "
+                        f"replace their outputs: copy the draft elsewhere first (or export it: `eyas export "
+                        f"{run / 'train'} --to speculators --out DIR`), or use another --run-dir")
+
+
 def run_pipeline(cfg: RunConfig, run: Path, opts: RunOptions | None = None, stages=STAGES) -> Runner:
     """Run the stage table in `run`; raises StageFailed/EyasError, KeyboardInterrupt or procs.Terminated."""
     run = Path(run)
+    check_inputs_outside(cfg, run)
     what = f"the run directory {run} (another `eyas run` works there; wait for it or use another --run-dir)"
     with procs.exclusive(run / ".runner.lock", what), procs.signals_raise():
         runner = Runner(cfg, run, opts or RunOptions(), stages)

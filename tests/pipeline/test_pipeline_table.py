@@ -113,6 +113,24 @@ def test_a_key_added_to_eyas_later_does_not_rerun_a_stage(tmp_path, capsys):
     assert "inputs changed (config: data.num_prompts): old output removed" in capsys.readouterr().out
 
 
+def test_a_draft_to_fine_tune_inside_the_run_is_refused_before_anything_is_removed(tmp_path):
+    """Setting train.init_from changes the train stage's inputs, so the runner would remove RUN/train (or later
+    RUN/export) while it holds the draft to fine-tune: refused up front, nothing touched."""
+    run, stages = tmp_path / "run", chain(tmp_path)
+    run_pipeline(load_config("tiny"), run, QUIET, stages)
+    before = sorted(str(p.relative_to(run)) for p in run.rglob("*"))
+    for inside in (run / "b", run / "c" / "speculators", run):
+        cfg = load_config("tiny", [f"train.init_from={inside}"])
+        with pytest.raises(EyasError, match="lies in the run directory .* copy the draft elsewhere first"):
+            run_pipeline(cfg, run, QUIET, stages)
+    assert sorted(str(p.relative_to(run)) for p in run.rglob("*")) == before
+    assert counts(tmp_path / "record.jsonl") == {"a": 1, "b": 1, "c": 1}
+    outside = tmp_path / "draft"
+    outside.mkdir()
+    run_pipeline(load_config("tiny", [f"train.init_from={outside}"]), run, QUIET, stages)  # b's config changed
+    assert counts(tmp_path / "record.jsonl") == {"a": 1, "b": 2, "c": 2}
+
+
 def test_failed_stage_resumes_and_later_stages_wait(tmp_path):
     run, record, flag = tmp_path / "run", tmp_path / "record.jsonl", tmp_path / "break-b"
     flag.write_text("")

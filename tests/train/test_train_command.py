@@ -127,4 +127,7 @@ def test_init_from_fine_tunes_an_exported_draft(prepared_and_store, capsys):
     rc = eyas_main(["train", *TINY, *store, "--init-from", str(root / "exp"), "--out", str(root / "bad"),
                     "--vocab", str(root / "prepared" / "vocab.safetensors")])
     assert rc == 2 and "--vocab has no effect" in capsys.readouterr().err
+    rc = eyas_main(["train", *TINY, *store, "--init-from", str(root / "base" / "latest"), "--out", str(root / "base")])
+    assert rc == 2 and "would replace it; write the fine-tuned draft to another --out" in capsys.readouterr().err
+    assert load_file(str(root / "base" / "latest" / "model.safetensors"))["fc.weight"].equal(base["fc.weight"])
     assert not (root / "bad" / "latest").exists()
