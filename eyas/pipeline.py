@@ -504,23 +504,34 @@ def _log_tail(log: Path, lines: int = 15) -> str:
     return "\n--- last lines of the log ---\n" + "\n".join(tail)
 
 
-def check_inputs_outside(cfg: RunConfig, run: Path) -> None:
-    """A draft to fine-tune must not lie in the run directory: the stages replace their outputs when their
-    inputs change (setting train.init_from changes the train stage's), so the draft would be removed before
-    training read it, or, as an export, after."""
-    if not cfg.train.init_from:
-        return
-    init, root = Path(cfg.train.init_from).expanduser().resolve(), run.expanduser().resolve()
-    if init == root or root in init.parents:
-        raise EyasError(f"train.init_from={cfg.train.init_from!r} lies in the run directory {run}, whose stages "
-                        f"replace their outputs: copy the draft elsewhere first (or export it: `eyas export "
-                        f"{run / 'train'} --to speculators --out DIR`), or use another --run-dir")
+def check_inputs_outside(cfg: RunConfig, run: Path, stages=STAGES) -> None:
+    """Inputs must not lie where the stages write: a stage replaces its output when its inputs change, so a
+    data file in RUN/prepared would be removed before prepare read it. A draft to fine-tune must not lie in
+    the run directory at all (setting train.init_from changes the train stage's inputs: RUN/train would go
+    before training read it, an export in RUN/export after)."""
+    root = run.expanduser().resolve()
+    if cfg.train.init_from:
+        init = Path(cfg.train.init_from).expanduser().resolve()
+        if init == root or root in init.parents:
+            raise EyasError(f"train.init_from={cfg.train.init_from!r} lies in the run directory {run}, whose stages "
+                            f"replace their outputs: copy the draft elsewhere first (or export it: `eyas export "
+                            f"{run / 'train'} --to speculators --out DIR`), or use another --run-dir")
+    outputs = [root / s.writes for s in stages]
+    for name in cfg.data.data:
+        path = Path(name).expanduser()
+        if not path.exists():  # a hub dataset name
+            continue
+        path = path.resolve()
+        inside = [o for o in outputs if path == o or o in path.parents]
+        if inside:
+            raise EyasError(f"data.data file {name} lies in {inside[0]}, which the run replaces when its inputs "
+                            f"change: move it out of {run}'s stage directories")
 
 
 def run_pipeline(cfg: RunConfig, run: Path, opts: RunOptions | None = None, stages=STAGES) -> Runner:
     """Run the stage table in `run`; raises StageFailed/EyasError, KeyboardInterrupt or procs.Terminated."""
     run = Path(run)
-    check_inputs_outside(cfg, run)
+    check_inputs_outside(cfg, run, stages)
     what = f"the run directory {run} (another `eyas run` works there; wait for it or use another --run-dir)"
     with procs.exclusive(run / ".runner.lock", what), procs.signals_raise():
         runner = Runner(cfg, run, opts or RunOptions(), stages)

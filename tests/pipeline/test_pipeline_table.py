@@ -115,7 +115,8 @@ def test_a_key_added_to_eyas_later_does_not_rerun_a_stage(tmp_path, capsys):
 
 def test_a_draft_to_fine_tune_inside_the_run_is_refused_before_anything_is_removed(tmp_path):
     """Setting train.init_from changes the train stage's inputs, so the runner would remove RUN/train (or later
-    RUN/export) while it holds the draft to fine-tune: refused up front, nothing touched."""
+    RUN/export) while it holds the draft to fine-tune: refused up front, nothing touched; so is a data file in a
+    stage's output."""
     run, stages = tmp_path / "run", chain(tmp_path)
     run_pipeline(load_config("tiny"), run, QUIET, stages)
     before = sorted(str(p.relative_to(run)) for p in run.rglob("*"))
@@ -125,6 +126,11 @@ def test_a_draft_to_fine_tune_inside_the_run_is_refused_before_anything_is_remov
             run_pipeline(cfg, run, QUIET, stages)
     assert sorted(str(p.relative_to(run)) for p in run.rglob("*")) == before
     assert counts(tmp_path / "record.jsonl") == {"a": 1, "b": 1, "c": 1}
+    (run / "a" / "mine.jsonl").write_text("{}\n")
+    with pytest.raises(EyasError, match=r"data.data file .*mine.jsonl lies in .*a, which the run replaces"):
+        run_pipeline(load_config("tiny", [f"data.data={run / 'a' / 'mine.jsonl'}"]), run, QUIET, stages)
+    assert (run / "a" / "mine.jsonl").exists()
+    (run / "a" / "mine.jsonl").unlink()  # a's output as it was
     outside = tmp_path / "draft"
     outside.mkdir()
     run_pipeline(load_config("tiny", [f"train.init_from={outside}"]), run, QUIET, stages)  # b's config changed
