@@ -510,19 +510,17 @@ def check_inputs_outside(cfg: RunConfig, run: Path, stages=STAGES) -> None:
     the run directory at all (setting train.init_from changes the train stage's inputs: RUN/train would go
     before training read it, an export in RUN/export after)."""
     root = run.expanduser().resolve()
-    if cfg.train.init_from:
-        init = Path(cfg.train.init_from).expanduser().resolve()
-        if init == root or root in init.parents:
-            raise EyasError(f"train.init_from={cfg.train.init_from!r} lies in the run directory {run}, whose stages "
-                            f"replace their outputs: copy the draft elsewhere first (or export it: `eyas export "
-                            f"{run / 'train'} --to speculators --out DIR`), or use another --run-dir")
+    if cfg.train.init_from and Path(cfg.train.init_from).expanduser().resolve().is_relative_to(root):
+        raise EyasError(f"train.init_from={cfg.train.init_from!r} lies in the run directory {run}, whose stages "
+                        f"replace their outputs: copy the draft elsewhere first (or export it: `eyas export "
+                        f"{run / 'train'} --to speculators --out DIR`), or use another --run-dir")
     outputs = [root / s.writes for s in stages]
     for name in cfg.data.data:
         path = Path(name).expanduser()
         if not path.exists():  # a hub dataset name
             continue
         path = path.resolve()
-        inside = [o for o in outputs if path == o or o in path.parents]
+        inside = [o for o in outputs if path.is_relative_to(o)]
         if inside:
             raise EyasError(f"data.data file {name} lies in {inside[0]}, which the run replaces when its inputs "
                             f"change: move it out of {run}'s stage directories")

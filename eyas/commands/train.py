@@ -168,11 +168,10 @@ def main(args) -> int:
     from eyas.train import train
 
     cfg = config_from_args(args)
-    if cfg.train.init_from:
-        init_dir, out = Path(cfg.train.init_from).expanduser().resolve(), Path(args.out).expanduser().resolve()
-        if init_dir == out or out in init_dir.parents:
-            raise EyasError(f"--out {args.out} holds the draft to fine-tune ({cfg.train.init_from}): its checkpoints "
-                            f"would replace it; write the fine-tuned draft to another --out")
+    if cfg.train.init_from and Path(cfg.train.init_from).expanduser().resolve().is_relative_to(
+            Path(args.out).expanduser().resolve()):
+        raise EyasError(f"--out {args.out} holds the draft to fine-tune ({cfg.train.init_from}): its checkpoints "
+                        f"would replace it; write the fine-tuned draft to another --out")
     if cfg.train.init_from and args.vocab:
         raise EyasError(f"--vocab has no effect with train.init_from={cfg.train.init_from!r}: a fine-tuned draft keeps "
                         f"the vocabulary its head was trained on; drop --vocab")
