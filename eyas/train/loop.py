@@ -76,15 +76,24 @@ def lr_lambda(total_steps: int, warmup_steps: int, min_lr_ratio: float):
     return factor
 
 
-def build_draft(source: TrainSource, features: str) -> Eagle3Draft:
-    num_aux = 1 if features == "last" else len(source.aux_layers)
+def feature_layers(source: TrainSource, features: str) -> list[int]:
+    """The aux layers (HF ids) the draft's features come from: all of them fused, or the highest alone."""
+    return list(source.aux_layers[-1:] if features == "last" else source.aux_layers)
+
+
+def draft_config(source: TrainSource, features: str) -> DraftConfig:
+    """The config of a new draft for this source (its draft vocabulary the data's, else the target's)."""
     vocab = source.lm_head_weight.shape[0]
     draft_vocab = len(source.d2t) if source.d2t is not None else vocab
-    cfg = DraftConfig.from_target_config(source.target_config, draft_vocab, num_aux)
+    cfg = DraftConfig.from_target_config(source.target_config, draft_vocab, len(feature_layers(source, features)))
     if (cfg.vocab_size, cfg.hidden_size) != tuple(source.embed_weight.shape):
         raise EyasError(f"the target config says vocab {cfg.vocab_size} x hidden {cfg.hidden_size} but its embedding is "
                         f"{tuple(source.embed_weight.shape)}; the store's target_head does not belong to its manifest")
-    draft = Eagle3Draft(cfg)
+    return cfg
+
+
+def build_draft(source: TrainSource, features: str) -> Eagle3Draft:
+    draft = Eagle3Draft(draft_config(source, features))
     draft.embed_tokens.weight.data.copy_(source.embed_weight.float())
     if source.d2t is not None:
         draft.set_vocab(source.d2t, source.t2d)
@@ -98,8 +107,7 @@ def _same(a, b) -> bool:
     return a == b
 
 
-def init_draft(init: tuple[Eagle3Draft, dict], path: str, source: TrainSource, features: str,
-               fresh: Eagle3Draft) -> Eagle3Draft:
+def init_draft(init: tuple[Eagle3Draft, dict], path: str, source: TrainSource, features: str) -> Eagle3Draft:
     """The draft loaded from `path` (train.init_from; `init` is what eyas.export.load_draft returned for it),
     checked against what this run trains on, to fine-tune.
 
@@ -107,14 +115,14 @@ def init_draft(init: tuple[Eagle3Draft, dict], path: str, source: TrainSource, f
     architecture, aux layers, features and target must be this run's, or the error names the difference."""
     draft, meta = init
     where = f"train.init_from={path!r}"
-    ours, theirs = fresh.cfg.to_dict(), draft.cfg.to_dict()
+    ours, theirs = draft_config(source, features).to_dict(), draft.cfg.to_dict()
     differ = [f"{k} {theirs.get(k)!r} (this run: {v!r})" for k, v in ours.items()
               if k != "draft_vocab_size" and not _same(theirs.get(k), v)]
     if differ:
         raise EyasError(f"{where}: that draft was built differently from the one this run trains: "
                         f"{', '.join(differ)}; give a draft trained for this target and features, or drop "
                         f"train.init_from to train a new one")
-    aux = source.aux_layers[-1:] if features == "last" else list(source.aux_layers)
+    aux = feature_layers(source, features)
     if meta.get("aux_layers") is not None and list(meta["aux_layers"]) != aux:
         raise EyasError(f"{where}: that draft reads aux layers {meta['aux_layers']} (HF numbering), this run's "
                         f"features come from {aux}; capture at its layers (capture.aux_layers) or drop train.init_from")
@@ -138,8 +146,8 @@ def init_draft(init: tuple[Eagle3Draft, dict], path: str, source: TrainSource, f
 
 
 def draft_meta(draft: Eagle3Draft, source: TrainSource, cfg: RunConfig) -> dict:
-    aux = source.aux_layers[-1:] if cfg.train.features == "last" else source.aux_layers
-    return {"draft_config": draft.cfg.to_dict(), "aux_layers": list(aux), "features": cfg.train.features,
+    return {"draft_config": draft.cfg.to_dict(), "aux_layers": feature_layers(source, cfg.train.features),
+            "features": cfg.train.features,
             "target": source.target, "target_spec": source.target_spec, "store": source.store, "ttt": cfg.train.ttt,
             "target_num_layers": source.num_layers, "init_from": cfg.train.init_from or None,
             "target_architectures": source.target_config.get("architectures")}
@@ -167,10 +175,11 @@ def _train(cfg, tc, run_dir: Path, source: TrainSource, resume: bool, info: dist
     seed_all(tc.seed)
     if info.rank == 0:
         run_dir.mkdir(parents=True, exist_ok=True)
-    draft = build_draft(source, tc.features)
     if tc.init_from:  # its shape and vocabulary; a resumed run then loads its own weights over it
-        draft = init_draft(init, tc.init_from, source, tc.features, draft)
+        draft = init_draft(init, tc.init_from, source, tc.features)
         print0(f"fine-tuning the draft of {tc.init_from} (train.init_from): a fresh optimizer and schedule")
+    else:
+        draft = build_draft(source, tc.features)
     print0(f"draft: {draft.num_trainable_params() / 1e6:.2f}M trainable parameters "
            f"(H {draft.cfg.hidden_size}, Vd {draft.cfg.draft_vocab_size}, fc {draft.cfg.num_aux_layers}*H -> H, "
            f"features {tc.features}, TTT {tc.ttt})")
