@@ -84,7 +84,7 @@ class DataConfig:
     # starts of requests that steer a share of them (the target writes the rest), e.g. ["Write a Python
     # function that", "Complete this Python code:"] for a draft meant for code; taken in turn
     self_prompt_openers: list[str] = field(default_factory=list)
-    self_prompt_opener_share: float = 0.5  # of the written requests, spread evenly, when openers are given
+    self_prompt_opener_share: float = 0.5  # of the kept requests, when openers are given
     regenerate: str | None = None  # None | "local" | an OpenAI-compatible base URL
     regen_max_new_tokens: int = 256
     regen_temperature: float = 0.0

@@ -109,8 +109,9 @@ def _self_prompts(cfg: RunConfig, target, template: ChatTemplate, out: Path) -> 
     if not dc.regenerate:
         raise EyasError("data.self_prompts: the target's own prompts have no responses yet; add --regenerate local "
                         "(or a server URL)")
-    steer = {"openers": dc.self_prompt_openers, "opener_share": dc.self_prompt_opener_share} \
-        if dc.self_prompt_openers else {}  # only when set: earlier runs' files keep their names
+    # only when set: earlier runs' files keep their names; "share_of" since the share is of the kept requests
+    steer = {"openers": dc.self_prompt_openers, "opener_share": dc.self_prompt_opener_share, "share_of": "kept"} \
+        if dc.self_prompt_openers else {}
     settings, path = _results_file(out, "self-prompts", cfg, template,
                                    {"target": target.identity, "temperature": dc.self_prompt_temperature,
                                     "max_new_tokens": dc.self_prompt_max_tokens, "seed": dc.seed, **steer})

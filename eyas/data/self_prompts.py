@@ -15,8 +15,11 @@ batches until `num_prompts` are kept or twice that many were written.
 Openers steer a share of the requests (`data.self_prompt_openers`, `data.self_prompt_opener_share`): the
 target continues its opening followed by the start of a request, such as "Write a Python function that", and
 the request is that start and what the target wrote after it. A draft meant for code can so see more code
-than the target's own requests hold (a few percent of SmolLM2's are about code). Which written request gets
-which opener depends on its index alone, so a resumed run steers as an uninterrupted one does.
+than the target's own requests hold (a few percent of SmolLM2's are about code). The share is of the kept
+requests: steered requests are dropped more often (a code request runs past the token limit more often than
+a question), so each batch writes steered and free requests in proportion to what each group still lacks over
+the rate at which it has been kept so far, and each group is kept up to its quota. That plan depends on the
+written requests alone, so a resumed run steers as an uninterrupted one does.
 
 Results are appended to a JSONL file (one line per written request, kept or not) and flushed per
 batch; a rerun reads it and continues. Batch i is sampled with seed (seed, i), so a resumed run
@@ -63,34 +66,64 @@ def _verdict(rec: dict, seen: set[str]) -> str:
     return "kept"
 
 
-def _tally(records: list[dict], num_prompts: int) -> tuple[list[dict], dict]:
-    """The first num_prompts kept requests in id order, and the counts per verdict."""
+def _tally(records: list[dict], num_prompts: int, num_steered: int = 0) -> tuple[list[dict], dict]:
+    """The kept requests in id order, and the counts per verdict: the first num_steered usable ones with an
+    opener and the first num_prompts - num_steered usable ones without (a usable request over its group's
+    quota is counted as kept but not returned)."""
     seen: set[str] = set()
+    quota = {True: num_steered, False: num_prompts - num_steered}
     kept, counts = [], {"kept": 0, "truncated": 0, "empty": 0, "duplicate": 0}
     for rec in records:
         verdict = _verdict(rec, seen)
         counts[verdict] += 1
         if verdict == "kept":
             seen.add(_key(rec["prompt"]))
-            if len(kept) < num_prompts:
+            steered = bool(rec.get("opener"))
+            if quota[steered] > 0:
+                quota[steered] -= 1
                 kept.append({"id": rec["id"], "prompt": rec["prompt"].strip()})
     return kept, counts
 
 
-def opener_of(index: int, openers: list[str], share: float) -> str | None:
-    """The opener of the index-th written request, or None: a `share` of the indices, spread evenly, take
-    the openers in turn."""
-    if not openers or share <= 0:
-        return None
-    before, upto = int(index * share), int((index + 1) * share)
-    return openers[before % len(openers)] if upto > before else None
+def steered_quota(num_prompts: int, openers: list[str], share: float) -> int:
+    """How many of the num_prompts kept requests start with an opener."""
+    return round(num_prompts * share) if openers and share > 0 else 0
+
+
+def plan_batch(records: list[dict], rows: int, num_prompts: int, openers: list[str], share: float) -> list[str | None]:
+    """The opener (or None) of each of the next `rows` requests to write, from what was written so far: rows
+    go to the steered and the free group in proportion to what each still lacks divided by the share of its
+    written requests that was usable (one more of each counted, so a new group starts at 1); the steered
+    rows are spread evenly over the batch and take the openers in turn."""
+    num_steered = steered_quota(num_prompts, openers, share)
+    if not num_steered:
+        return [None] * rows
+    seen: set[str] = set()
+    written, usable = {True: 0, False: 0}, {True: 0, False: 0}
+    for rec in records:
+        steered = bool(rec.get("opener"))
+        written[steered] += 1
+        if _verdict(rec, seen) == "kept":
+            seen.add(_key(rec["prompt"]))
+            usable[steered] += 1
+    lack = {True: max(0, num_steered - usable[True]), False: max(0, num_prompts - num_steered - usable[False])}
+    want = {g: lack[g] * (written[g] + 1) / (usable[g] + 1) for g in (True, False)}
+    total = want[True] + want[False]
+    steer_rows = round(rows * want[True] / total) if total else 0
+    out: list[str | None] = []
+    for i in range(rows):
+        if (i + 1) * steer_rows // rows > i * steer_rows // rows:
+            out.append(openers[(written[True] + sum(o is not None for o in out)) % len(openers)])
+        else:
+            out.append(None)
+    return out
 
 
 def write_self_prompts(target, template, num_prompts: int, out_path: str | Path, *, temperature: float,
                        max_new_tokens: int, batch_size: int, seed: int = 0, cuda_graphs: bool = True,
                        openers: list[str] | None = None, opener_share: float = 0.0) -> tuple[list[dict], dict]:
     """Have the target write `num_prompts` distinct user requests -> ([{id, prompt}], summary). A share
-    `opener_share` of them start with one of `openers` (the target writes the rest of the request)."""
+    `opener_share` of the kept ones start with one of `openers` (the target writes the rest of the request)."""
     opening = user_turn_opening(template)
     openers = list(openers or [])
     tok = target.tokenizer
@@ -98,8 +131,9 @@ def write_self_prompts(target, template, num_prompts: int, out_path: str | Path,
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else template.stop_ids[0]
     device = next(target.model.parameters()).device
     max_written = 2 * num_prompts
+    num_steered = steered_quota(num_prompts, openers, opener_share)
     records = sorted(read_results(out_path).values(), key=lambda r: r["id"])
-    kept, counts = _tally(records, num_prompts)
+    kept, counts = _tally(records, num_prompts, num_steered)
     t0, num_tokens = time.perf_counter(), 0
     if len(kept) < num_prompts and len(records) < max_written:
         sink = ResultsFile(out_path)
@@ -109,7 +143,7 @@ def write_self_prompts(target, template, num_prompts: int, out_path: str | Path,
                 start = len(records)
                 rows = min(batch_size, max_written - start)
                 generator = torch.Generator(device=device).manual_seed(seed * 1_000_003 + start)
-                starts = [opener_of(start + i, openers, opener_share) for i in range(rows)]
+                starts = plan_batch(records, rows, num_prompts, openers, opener_share)
                 results = generate_batch(target.model, [opening + opener_ids.get(o, []) for o in starts],
                                          max_new_tokens=max_new_tokens, stop_ids=template.stop_ids, pad_id=pad_id,
                                          temperature=temperature, generator=generator, cuda_graphs=cuda_graphs)
@@ -121,7 +155,7 @@ def write_self_prompts(target, template, num_prompts: int, out_path: str | Path,
                 records += batch
                 num_tokens += sum(r["num_tokens"] for r in batch)
                 before = len(kept)
-                kept, counts = _tally(records, num_prompts)
+                kept, counts = _tally(records, num_prompts, num_steered)
                 bar.update(len(kept) - before)
                 bar.set_postfix_str(f"{num_tokens / (time.perf_counter() - t0):.0f} tok/s, "
                                     f"{counts['duplicate']} dup, {counts['truncated']} cut")
@@ -137,9 +171,14 @@ def write_self_prompts(target, template, num_prompts: int, out_path: str | Path,
     steered = {r["id"] for r in records if r.get("opener")}
     with_opener = sum(p["id"] in steered for p in kept)
     if openers:
-        print0(f"{with_opener} of the {len(kept)} kept requests start with an opener (data.self_prompt_openers)")
+        written = len(steered)
+        print0(f"{with_opener} of the {len(kept)} kept requests start with an opener, {num_steered} asked "
+               f"(data.self_prompt_opener_share={opener_share}); {written} of the {len(records)} written did"
+               + ("" if with_opener == num_steered else
+                  "; the steered ones were dropped too often: raise data.self_prompt_max_tokens"))
     summary = {"num_asked": num_prompts, "num_kept": len(kept), "num_written": len(records),
-               "num_kept_with_opener": with_opener,
+               "num_kept_with_opener": with_opener, "num_asked_with_opener": num_steered,
+               "num_written_with_opener": len(steered),
                "dropped": {k: v for k, v in counts.items() if k != "kept"}, "opening_tokens": len(opening),
                "seconds_this_run": round(time.perf_counter() - t0, 2), "num_tokens_this_run": num_tokens}
     return kept, summary

@@ -7,7 +7,7 @@ import pytest
 from eyas.cli import main as cli_main
 from eyas.config import ConfigError, load_config
 from eyas.data import load_prepared
-from eyas.data.self_prompts import _tally, opener_of, user_turn_opening, write_self_prompts
+from eyas.data.self_prompts import _tally, plan_batch, user_turn_opening, write_self_prompts
 from eyas.data.template import ChatTemplate, stop_token_ids
 
 
@@ -59,11 +59,35 @@ def _write(target, path, n, batch_size=4, **steer):
                               seed=3, **steer)
 
 
+def _recs(spec: str, start: int = 0) -> list[dict]:
+    """Written requests from letters: s/S a steered one kept/cut, f/F a free one kept/cut."""
+    return [{"id": f"self-{start + i:07d}", "prompt": f"{'Do' if c in 'sS' else 'Ask'} thing {start + i}.",
+             "finish": "stop" if c.islower() else "length", **({"opener": "Do"} if c in "sS" else {})}
+            for i, c in enumerate(spec)]
+
+
 def test_openers_steer_an_even_share_in_turn():
-    got = [opener_of(i, ["A", "B"], 0.25) for i in range(16)]
-    assert got == [None, None, None, "A", None, None, None, "B"] * 2
-    assert sum(opener_of(i, ["A"], 0.3) is not None for i in range(1000)) == 300
-    assert all(opener_of(i, ["A"], 1.0) == "A" for i in range(5)) and opener_of(3, [], 0.5) is None
+    """Nothing written yet: a share of the rows, spread evenly, take the openers in turn."""
+    assert plan_batch([], 8, 100, ["A", "B"], 0.25) == [None, None, None, "A", None, None, None, "B"]
+    assert plan_batch([], 4, 6, ["A", "B"], 0.5) == [None, "A", None, "B"]
+    assert plan_batch([], 5, 10, ["A"], 1.0) == ["A"] * 5 and plan_batch([], 3, 10, [], 0.5) == [None] * 3
+    # the openers go on in turn after the steered requests already written
+    assert plan_batch(_recs("ss"), 2, 10, ["A", "B", "C"], 1.0) == ["C", "A"]
+
+
+def test_the_share_is_of_the_kept_requests():
+    """A group that is dropped more often gets more rows; a full group gets none; each is kept to its quota."""
+    # 4 of 8 steered requests were cut, none of 4 free ones: both groups lack 2 of their 6, and steered rows
+    # were kept (4 + 1) / (8 + 1) as often as free ones (5 / 5): 3.6 against 2 rows wanted, 6 of 9 rows
+    recs = _recs("sSsSsSsSffff")
+    assert sum(o is not None for o in plan_batch(recs, 9, 12, ["A"], 0.5)) == 6
+    assert sum(o is not None for o in plan_batch(_recs("ssssffff"), 9, 12, ["A"], 0.5)) == 4  # alike: half
+    full = _recs("ssssss") + _recs("ff", 6)
+    assert plan_batch(full, 4, 12, ["A"], 0.5) == [None] * 4
+    kept, counts = _tally(_recs("ssssffff") + _recs("sf", 8), 6, num_steered=3)
+    assert [k["id"] for k in kept] == ["self-0000000", "self-0000001", "self-0000002", "self-0000004",
+                                       "self-0000005", "self-0000006"]
+    assert counts == {"kept": 10, "truncated": 0, "empty": 0, "duplicate": 0}
 
 
 def test_steered_requests_start_with_their_opener_and_resume_alike(tiny_target, tmp_path):
