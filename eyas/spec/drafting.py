@@ -74,6 +74,16 @@ def _frontier_mask(frontier, pool_parent, slot_of, past: int, base: int, device)
     return mask.to(device)
 
 
+@dataclass
+class Pool:
+    """Every candidate node a tree drafting scored, in creation order (level by level)."""
+    scores: list[float]  # cumulative draft log-prob
+    depths: list[int]  # 1 for children of the root
+    parents: list[int]  # pool index of the parent, -1 = root
+    ids: list[int]  # draft vocabulary ids
+    num_fed: int = 0  # tokens the draft was fed to score them
+
+
 def draft_tree(draft, cache, hidden, logits, positions, topk: int, depth: int, total: int, d2t: list[int] | None = None):
     """EAGLE-2 dynamic tree: expand the `topk` best nodes per level to `depth`, keep the `total`
     nodes of highest cumulative draft log-prob (a parent always scores at least its child, so the
@@ -81,6 +91,25 @@ def draft_tree(draft, cache, hidden, logits, positions, topk: int, depth: int, t
     positions [1, >= depth-1] holds N, N+1, ...; one device-to-host read per level. `d2t` is the
     draft's offset table as a host list (read once per generation), None for an identity vocabulary.
     """
+    pool, cache = tree_pool(draft, cache, hidden, logits, positions, topk, depth)
+    return select_tree(pool, total, d2t), cache
+
+
+def select_tree(pool: Pool, total: int, d2t: list[int] | None = None) -> Proposal:
+    """The `total` nodes of highest score (ties to the shallower), parents first, as a Proposal."""
+    scores, depths = pool.scores, pool.depths
+    order = sorted(range(len(scores)), key=lambda i: (-scores[i], depths[i], i))[:total]
+    order.sort(key=lambda i: (depths[i], -scores[i], i))  # parents first, siblings by score
+    index = {p: i for i, p in enumerate(order)}
+    target_ids = [pool.ids[p] + (d2t[pool.ids[p]] if d2t else 0) for p in order]
+    parents = [index[pool.parents[p]] if pool.parents[p] >= 0 else -1 for p in order]
+    assert all(p < i for i, p in enumerate(parents)), "tree nodes must follow their parents"
+    return Proposal(target_ids, parents, [depths[p] for p in order], pool.num_fed)
+
+
+def tree_pool(draft, cache, hidden, logits, positions, topk: int, depth: int) -> tuple[Pool, object]:
+    """The candidates of `draft_tree`: the root's `topk` best draft tokens, then per level the `topk`
+    children of each of the `topk` best nodes of the level before. -> (pool, cache)."""
     device = logits.device
     past = cache_length(cache)
     logp = torch.log_softmax(logits.float(), dim=-1)  # [Vd]
@@ -128,10 +157,4 @@ def draft_tree(draft, cache, hidden, logits, positions, topk: int, depth: int, t
         frontier_ids = child.indices.flatten()[best]
         frontier_scores = cum.flatten()[best]
         frontier_hidden = out.hidden_out[:, best // k]  # each new frontier node's parent output
-    order = sorted(range(len(pool_scores)), key=lambda i: (-pool_scores[i], pool_depth[i], i))[:total]
-    order.sort(key=lambda i: (pool_depth[i], -pool_scores[i], i))  # parents first, siblings by score
-    index = {p: i for i, p in enumerate(order)}
-    target_ids = [pool_ids[p] + (d2t[pool_ids[p]] if d2t else 0) for p in order]
-    parents = [index[pool_parent[p]] if pool_parent[p] >= 0 else -1 for p in order]
-    assert all(p < i for i, p in enumerate(parents)), "tree nodes must follow their parents"
-    return Proposal(target_ids, parents, [pool_depth[p] for p in order], len(slot_of)), cache
+    return Pool(pool_scores, pool_depth, pool_parent, pool_ids, len(slot_of)), cache

@@ -1,0 +1,164 @@
+"""Tree shapes and selection rules for a trained draft, judged on the target's own greedy tokens.
+
+    python bench/tree_select.py --draft DRAFT --bench humaneval --trees 16,5,64 16,6,80 --penalties 0,0.25
+
+At temperature 0 the engine gives plain greedy decoding's tokens, so the tree drafted at a cycle that starts
+after N committed tokens can be judged by the next tokens of that output: a node is accepted when its path
+from the root spells them (the target's argmax rows the engine's walk would read). Per request the target
+decodes once (plain, a few tokens past the limit so the last cycle can be judged), then runs once over
+prompt + answer for the aux features; the draft runs once over the whole sequence, teacher-forced, which
+makes the cache entries the engine's rebuilds make. A simulated cycle then costs the tree drafting alone,
+and it uses the engine's own code (`tree_pool`, `select_tree`, `walk_greedy`). Every rule over one (topk,
+depth) reuses its candidate pool at N.
+
+Rules: `total` nodes kept (the tree's third number), and a depth penalty: a node's score is its cumulative
+draft log-prob minus penalty x depth (0 is EAGLE-2's rule and the engine's), capped by its parent's so the
+kept set stays closed under ancestors. A positive penalty moves kept nodes from deep, unlikely paths to
+shallow alternatives at the same count of verified tokens; a negative one the other way.
+
+`--check N` decodes the first N requests with the engine itself (dynamic path, same draft and shapes, no
+penalty) and prints its tau beside the simulation's: they agree unless fp32 rounding flips a near tie between
+the teacher-forced and the incremental draft cache.
+
+Prints per rule: tau pooled (accepted + 1 per cycle, as `eyas eval`), cycles, and the share of cycles whose
+accepted path reached the tree's depth.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from eyas.commands.eval import build_engine
+from eyas.data.template import stop_token_ids
+from eyas.spec.accept import walk_greedy
+from eyas.spec.bench import encode_turn, load_bench, parse_tree
+from eyas.spec.drafting import Pool, select_tree, tree_pool
+from eyas.spec.target import Positions, causal_mask
+from eyas.target import load_target
+
+
+def _penalised(pool: Pool, penalty: float) -> Pool:
+    """Scores minus penalty x depth; a negative penalty (a bonus for depth) could rank a child above its
+    parent, so each score is capped by its parent's (the pool lists parents before children)."""
+    if not penalty:
+        return pool
+    scores: list[float] = []
+    for s, d, parent in zip(pool.scores, pool.depths, pool.parents):
+        s -= penalty * d
+        scores.append(s if parent < 0 else min(s, scores[parent]))
+    return Pool(scores, pool.depths, pool.parents, pool.ids, pool.num_fed)
+
+
+class Request:
+    """One turn: its prompt, the greedy continuation, and the draft's teacher-forced state over both."""
+
+    def __init__(self, engine, prompt: list[int], answer: list[int]):
+        self.n, self.seq = len(prompt), prompt + answer
+        runner, draft = engine.runner, engine.draft
+        ids = torch.tensor([self.seq])
+        m = len(self.seq) - 1  # the last token has no next token to pair with its features
+        pos = Positions(len(self.seq) + 8, engine.device)
+        runner.attach()
+        try:
+            cache = runner.new_cache(len(self.seq) + 8)
+            _, aux = runner.forward(cache, ids[:, :m], pos.at(0, m), causal_mask(0, m, engine.device))
+        finally:
+            runner.detach()
+        with torch.no_grad():
+            out = draft(draft.fuse(aux)[None], ids[:, 1:m + 1], pos.at(0, m))
+        self.hidden, self.logits, self.kv = out.hidden_out, out.logits[0], out.past_key_values
+        self.pos = pos
+        self.pools: dict[tuple[int, int, int], Pool] = {}
+
+    def pool(self, draft, big_n: int, topk: int, depth: int) -> Pool:
+        """The candidates of a tree drafted after big_n committed tokens (entry big_n - 1 is the root)."""
+        key = (big_n, topk, depth)
+        if key not in self.pools:
+            k, v = self.kv
+            cache = (k[:, :, :big_n], v[:, :, :big_n])  # a tuple is copied on its first append, never written
+            with torch.no_grad():
+                self.pools[key], _ = tree_pool(draft, cache, self.hidden[:, big_n - 1:big_n], self.logits[big_n - 1],
+                                               self.pos.at(big_n, depth), topk, depth)
+        return self.pools[key]
+
+    def simulate(self, draft, d2t, tree: tuple[int, int, int], penalty: float, max_new: int, eos: set[int]):
+        """-> accepted drafts per cycle, as the engine's greedy tree decoding would have them."""
+        topk, depth, total = tree
+        big_n, made, accepted = self.n, 1, []  # the prefill made the first token (pending at n)
+        if self.seq[self.n] in eos:
+            return accepted
+        while made < max_new:
+            prop = select_tree(_penalised(self.pool(draft, big_n, topk, depth), penalty), total, d2t)
+            best = [self.seq[big_n + 1 + d] if big_n + 1 + d < len(self.seq) else -1 for d in [0] + prop.depths]
+            path, _ = walk_greedy(best, prop.tokens, prop.parents)
+            accepted.append(len(path))
+            new = self.seq[big_n + 1:big_n + 2 + len(path)]
+            made += len(path) + 1
+            big_n += len(path) + 1
+            if any(t in eos for t in new):
+                break
+        return accepted
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--draft", required=True, help="a run's train dir, a checkpoint or an export")
+    p.add_argument("--bench", action="append", default=[], help="mt-bench | humaneval | FILE.jsonl (repeatable)")
+    p.add_argument("--limit", type=int, default=12, help="requests per benchmark (the full preset's eval: 12)")
+    p.add_argument("--max-new", type=int, default=256)
+    p.add_argument("--trees", nargs="+", default=["16,5,64"], help="topk,depth,total shapes")
+    p.add_argument("--penalties", default="0", help="comma list of depth penalties (nats per level)")
+    p.add_argument("--check", type=int, default=0, help="also decode the first N requests with the engine")
+    p.add_argument("--threads", type=int, default=2)
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    target = load_target("smollm2", device="cpu", dtype="fp32")
+    engine, _ = build_engine(target, args.draft)
+    draft, d2t, tok = engine.draft, engine._d2t_host(), target.tokenizer
+    eos = stop_token_ids(tok, getattr(target.model, "generation_config", None))
+    trees = [parse_tree(t) for t in args.trees]
+    penalties = [float(x) for x in args.penalties.split(",")]
+    extra = max(t[1] for t in trees) + 2
+    rows = []
+    for bench in args.bench or ["humaneval"]:
+        t0 = time.perf_counter()
+        requests: list[Request] = []
+        for req in load_bench(bench, args.limit):
+            history = []
+            for text in req["turns"]:
+                history.append({"role": "user", "content": text})
+                ids = encode_turn(tok, history)
+                res = engine.plain_generate(ids, args.max_new + extra, eos_token_ids=eos)
+                requests.append(Request(engine, ids, res.tokens))
+                shown = res.tokens[:args.max_new]
+                shown = shown[:next((i + 1 for i, t in enumerate(shown) if t in eos), len(shown))]
+                history.append({"role": "assistant", "content": tok.decode(shown, skip_special_tokens=True)})
+        print(f"{bench}: {len(requests)} turns decoded and scored in {time.perf_counter() - t0:.0f} s", flush=True)
+        for tree in trees:
+            for penalty in penalties:
+                t1 = time.perf_counter()
+                acc = [a for r in requests for a in r.simulate(draft, d2t, tree, penalty, args.max_new, set(eos))]
+                deep = sum(a == tree[1] for a in acc) / max(1, len(acc))
+                rows.append((bench, ",".join(map(str, tree)), penalty, (sum(acc) + len(acc)) / max(1, len(acc)),
+                             len(acc), deep))
+                print(f"  tree {rows[-1][1]} penalty {penalty}: tau {rows[-1][3]:.3f} over {len(acc)} cycles "
+                      f"({time.perf_counter() - t1:.0f} s)", flush=True)
+        for tree in trees[:1] if args.check else []:
+            sim, real = [], []
+            for r in requests[:args.check]:
+                sim += r.simulate(draft, d2t, tree, 0.0, args.max_new, set(eos))
+                res = engine.generate(r.seq[:r.n], args.max_new, tree=tree, eos_token_ids=eos)
+                real += res.accepted_per_cycle
+            print(f"  check, tree {tree}, first {args.check} turns: simulated tau {(sum(sim) + len(sim)) / len(sim):.3f} "
+                  f"over {len(sim)} cycles, engine {(sum(real) + len(real)) / len(real):.3f} over {len(real)}")
+    print("\n| benchmark | tree | depth penalty | tau (pooled) | cycles | cycles reaching the depth |")
+    print("|---|---|---|---|---|---|")
+    for bench, tree, penalty, tau, cycles, deep in rows:
+        print(f"| {bench} | {tree} | {penalty:g} | {tau:.3f} | {cycles} | {100 * deep:.0f} % |")
+
+
+if __name__ == "__main__":
+    main()
