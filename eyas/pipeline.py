@@ -258,6 +258,7 @@ class Runner:
         self.records: list[dict] = []
         self.jobs: list[Job] = []
         self.summary: list[str] = []
+        self._decided: dict[str, dict[str, str]] = {}  # stage -> the fingerprint its last decision computed
 
     # -- bookkeeping files
     def _save_state(self) -> None:
@@ -289,8 +290,9 @@ class Runner:
 
     # -- decisions
     def decide(self, stage: Stage) -> tuple[str, str]:
-        """('skip'|'resume'|'fresh', why)."""
-        parts = fingerprint_parts(stage, self.cfg, self.run)
+        """('skip'|'resume'|'fresh', why). The stage's fingerprint is kept for run_wave, which records it
+        (its inputs' manifests are walked once per decision, not again at the start)."""
+        parts = self._decided[stage.name] = fingerprint_parts(stage, self.cfg, self.run)
         rec = self.state.get(stage.name, {})
         out = self.run / stage.writes
         old, changes = rec.get("parts") or {}, None
@@ -364,7 +366,8 @@ class Runner:
             ctx = Ctx(self.cfg, self.run, len(devices), action == "resume", tail=n > 0)
             cmds = [c for c in stage.commands(ctx) if not (action == "resume" and c.out and Path(c.out).exists())]
             rec = self.state.setdefault(stage.name, {})
-            rec.update(status="running", parts=fingerprint_parts(stage, self.cfg, self.run),
+            parts = self._decided.pop(stage.name, None) or fingerprint_parts(stage, self.cfg, self.run)
+            rec.update(status="running", parts=parts,
                        config_values=config_values(stage, self.cfg), devices=devices,
                        started_at=time.time(), log=str(self.run / "logs" / f"{stage.name}.log"))
             rec["attempts"] = rec.get("attempts", 0) + 1
