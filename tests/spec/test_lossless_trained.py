@@ -256,3 +256,30 @@ def test_static_path_with_the_draft_pass_compiled(smollm2, trained, monkeypatch)
     assert len(compiled) == 4
     assert runs[False] == runs[True]
     assert runs[True][0] == trained["answers"][0] and sum(runs[True][1]) > 0
+
+
+def test_tree_select_bench_simulates_the_engine(smollm2, trained):
+    """bench/tree_select.py judges a tree drafted after N tokens by the target's greedy tokens after N: with
+    EAGLE-2's rule its accepted drafts per cycle must be the engine's, cycle by cycle; with a depth penalty
+    or bonus the kept nodes must stay closed under ancestors (select_tree asserts it)."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location("tree_select", Path(__file__).resolve().parents[2] / "bench"
+                                                  / "tree_select.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    engine = SpecEngine(smollm2.model, trained["draft"], trained["aux"])
+    d2t, eos, tree = engine._d2t_host(), trained["eos"], (4, 4, 12)
+    assert d2t is not None  # the draft's own vocabulary: the simulation maps ids as the engine does
+    accepted = 0
+    for prompt in trained["prompts"]:
+        want = engine.generate(prompt, NEW, tree=tree, eos_token_ids=eos).accepted_per_cycle
+        longer = engine.plain_generate(prompt, NEW + tree[1] + 2, eos_token_ids=eos).tokens
+        request = bench.Request(engine, prompt, longer)
+        assert request.simulate(engine.draft, d2t, tree, 0.0, NEW, set(eos)) == want, prompt
+        accepted += sum(want)
+        for penalty in (-2.0, 1.0):
+            other = request.simulate(engine.draft, d2t, tree, penalty, NEW, set(eos))
+            assert 1 + sum(other) + len(other) >= min(NEW, len(longer))  # the prefill token, then a + 1 a cycle
+    assert accepted > 0
