@@ -21,7 +21,9 @@ penalty) and prints its tau beside the simulation's: they agree unless fp32 roun
 the teacher-forced and the incremental draft cache.
 
 Prints per rule: tau pooled (accepted + 1 per cycle, as `eyas eval`), cycles, and the share of cycles whose
-accepted path reached the tree's depth.
+accepted path reached the tree's depth. `--by-token` adds the draft's first guess at every answer position
+(teacher-forced, the tree root's best child) by the class of the token to guess: whitespace, punctuation, a
+token already in the context, or a new one.
 """
 
 from __future__ import annotations
@@ -103,6 +105,28 @@ class Request:
         return accepted
 
 
+def token_classes(requests: list[Request], tok, d2t, max_new: int) -> dict[str, list[int]]:
+    """The draft's first guess at each answer position (the tree root's best child, teacher-forced) by the
+    class of the token it had to guess: whitespace (indentation, newlines), punctuation, a token already in
+    the context (copyable), or new. -> {class: [right, count]}."""
+    out = {c: [0, 0] for c in ("whitespace", "punctuation", "in the context", "new")}
+    for r in requests:
+        for big_n in range(r.n, min(len(r.seq) - 1, r.n + max_new)):
+            want = r.seq[big_n + 1]
+            text = tok.decode([want])
+            if not text.strip():
+                cls = "whitespace"
+            elif not any(ch.isalnum() for ch in text):
+                cls = "punctuation"
+            else:
+                cls = "in the context" if want in r.seq[:big_n + 1] else "new"
+            guess = int(r.logits[big_n - 1].argmax())
+            guess += d2t[guess] if d2t else 0
+            out[cls][0] += guess == want
+            out[cls][1] += 1
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--draft", required=True, help="a run's train dir, a checkpoint or an export")
@@ -113,6 +137,8 @@ def main() -> None:
     p.add_argument("--penalties", default="0", help="comma list of depth penalties (nats per level)")
     p.add_argument("--check", type=int, default=0, help="also decode the first N requests with the engine")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--by-token", action="store_true",
+                   help="also the draft's first guess by the class of the token to guess (teacher-forced)")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     target = load_target("smollm2", device="cpu", dtype="fp32")
@@ -137,6 +163,11 @@ def main() -> None:
                 shown = shown[:next((i + 1 for i, t in enumerate(shown) if t in eos), len(shown))]
                 history.append({"role": "assistant", "content": tok.decode(shown, skip_special_tokens=True)})
         print(f"{bench}: {len(requests)} turns decoded and scored in {time.perf_counter() - t0:.0f} s", flush=True)
+        if args.by_token:
+            classes = token_classes(requests, tok, d2t, args.max_new)
+            total = sum(n for _, n in classes.values())
+            print(f"  first guess (root's best child), {total} positions: " + "; ".join(
+                f"{c} {100 * n / total:.0f} % of tokens, right {100 * k / max(n, 1):.1f} %" for c, (k, n) in classes.items()))
         for tree in trees:
             for penalty in penalties:
                 t1 = time.perf_counter()
