@@ -66,57 +66,57 @@ def _verdict(rec: dict, seen: set[str]) -> str:
     return "kept"
 
 
-def _tally(records: list[dict], num_prompts: int, num_steered: int = 0) -> tuple[list[dict], dict]:
-    """The kept requests in id order, and the counts per verdict: the first num_steered usable ones with an
-    opener and the first num_prompts - num_steered usable ones without (a usable request over its group's
-    quota is counted as kept but not returned)."""
-    seen: set[str] = set()
-    quota = {True: num_steered, False: num_prompts - num_steered}
-    kept, counts = [], {"kept": 0, "truncated": 0, "empty": 0, "duplicate": 0}
-    for rec in records:
-        verdict = _verdict(rec, seen)
-        counts[verdict] += 1
-        if verdict == "kept":
-            seen.add(_key(rec["prompt"]))
+class Tally:
+    """The written requests, taken in id order as they come (`add`): the kept ones (the first num_steered
+    usable ones with an opener and the first num_prompts - num_steered without; a usable request over its
+    group's quota counts as kept but is not used), the counts per verdict, and per group (steered or not) how
+    many were written and usable, from which `plan` steers the next batch. Incremental, so a batch costs
+    its own records, not all written so far."""
+
+    def __init__(self, num_prompts: int, num_steered: int = 0):
+        self.num_steered = num_steered
+        self.quota = {True: num_steered, False: num_prompts - num_steered}
+        self.seen: set[str] = set()
+        self.kept: list[dict] = []
+        self.counts = {"kept": 0, "truncated": 0, "empty": 0, "duplicate": 0}
+        self.written, self.usable = {True: 0, False: 0}, {True: 0, False: 0}
+
+    def add(self, records: list[dict]) -> "Tally":
+        for rec in records:
+            verdict = _verdict(rec, self.seen)
             steered = bool(rec.get("opener"))
-            if quota[steered] > 0:
-                quota[steered] -= 1
-                kept.append({"id": rec["id"], "prompt": rec["prompt"].strip()})
-    return kept, counts
+            self.counts[verdict] += 1
+            self.written[steered] += 1
+            if verdict == "kept":
+                self.seen.add(_key(rec["prompt"]))
+                self.usable[steered] += 1
+                if self.quota[steered] > 0:
+                    self.quota[steered] -= 1
+                    self.kept.append({"id": rec["id"], "prompt": rec["prompt"].strip()})
+        return self
+
+    def plan(self, rows: int, openers: list[str]) -> list[str | None]:
+        """The opener (or None) of each of the next `rows` requests to write: rows go to the steered and the
+        free group in proportion to what each still lacks divided by the share of its written requests that
+        was usable (one more of each counted, so a new group starts at 1); the steered rows are spread evenly
+        over the batch and take the openers in turn."""
+        if not self.num_steered:
+            return [None] * rows
+        want = {g: self.quota[g] * (self.written[g] + 1) / (self.usable[g] + 1) for g in (True, False)}
+        total = want[True] + want[False]
+        steer_rows = round(rows * want[True] / total) if total else 0
+        out: list[str | None] = []
+        for i in range(rows):
+            if (i + 1) * steer_rows // rows > i * steer_rows // rows:
+                out.append(openers[(self.written[True] + sum(o is not None for o in out)) % len(openers)])
+            else:
+                out.append(None)
+        return out
 
 
 def steered_quota(num_prompts: int, openers: list[str], share: float) -> int:
     """How many of the num_prompts kept requests start with an opener."""
     return round(num_prompts * share) if openers and share > 0 else 0
-
-
-def plan_batch(records: list[dict], rows: int, num_prompts: int, openers: list[str], share: float) -> list[str | None]:
-    """The opener (or None) of each of the next `rows` requests to write, from what was written so far: rows
-    go to the steered and the free group in proportion to what each still lacks divided by the share of its
-    written requests that was usable (one more of each counted, so a new group starts at 1); the steered
-    rows are spread evenly over the batch and take the openers in turn."""
-    num_steered = steered_quota(num_prompts, openers, share)
-    if not num_steered:
-        return [None] * rows
-    seen: set[str] = set()
-    written, usable = {True: 0, False: 0}, {True: 0, False: 0}
-    for rec in records:
-        steered = bool(rec.get("opener"))
-        written[steered] += 1
-        if _verdict(rec, seen) == "kept":
-            seen.add(_key(rec["prompt"]))
-            usable[steered] += 1
-    lack = {True: max(0, num_steered - usable[True]), False: max(0, num_prompts - num_steered - usable[False])}
-    want = {g: lack[g] * (written[g] + 1) / (usable[g] + 1) for g in (True, False)}
-    total = want[True] + want[False]
-    steer_rows = round(rows * want[True] / total) if total else 0
-    out: list[str | None] = []
-    for i in range(rows):
-        if (i + 1) * steer_rows // rows > i * steer_rows // rows:
-            out.append(openers[(written[True] + sum(o is not None for o in out)) % len(openers)])
-        else:
-            out.append(None)
-    return out
 
 
 def write_self_prompts(target, template, num_prompts: int, out_path: str | Path, *, temperature: float,
@@ -133,7 +133,8 @@ def write_self_prompts(target, template, num_prompts: int, out_path: str | Path,
     max_written = 2 * num_prompts
     num_steered = steered_quota(num_prompts, openers, opener_share)
     records = sorted(read_results(out_path).values(), key=lambda r: r["id"])
-    kept, counts = _tally(records, num_prompts, num_steered)
+    tally = Tally(num_prompts, num_steered).add(records)
+    kept, counts = tally.kept, tally.counts
     t0, num_tokens = time.perf_counter(), 0
     if len(kept) < num_prompts and len(records) < max_written:
         sink = ResultsFile(out_path)
@@ -143,7 +144,7 @@ def write_self_prompts(target, template, num_prompts: int, out_path: str | Path,
                 start = len(records)
                 rows = min(batch_size, max_written - start)
                 generator = torch.Generator(device=device).manual_seed(seed * 1_000_003 + start)
-                starts = plan_batch(records, rows, num_prompts, openers, opener_share)
+                starts = tally.plan(rows, openers)
                 results = generate_batch(target.model, [opening + opener_ids.get(o, []) for o in starts],
                                          max_new_tokens=max_new_tokens, stop_ids=template.stop_ids, pad_id=pad_id,
                                          temperature=temperature, generator=generator, cuda_graphs=cuda_graphs)
@@ -155,7 +156,8 @@ def write_self_prompts(target, template, num_prompts: int, out_path: str | Path,
                 records += batch
                 num_tokens += sum(r["num_tokens"] for r in batch)
                 before = len(kept)
-                kept, counts = _tally(records, num_prompts, num_steered)
+                tally.add(batch)
+                kept, counts = tally.kept, tally.counts
                 bar.update(len(kept) - before)
                 bar.set_postfix_str(f"{num_tokens / (time.perf_counter() - t0):.0f} tok/s, "
                                     f"{counts['duplicate']} dup, {counts['truncated']} cut")

@@ -7,7 +7,7 @@ import pytest
 from eyas.cli import main as cli_main
 from eyas.config import ConfigError, load_config
 from eyas.data import load_prepared
-from eyas.data.self_prompts import _tally, plan_batch, user_turn_opening, write_self_prompts
+from eyas.data.self_prompts import Tally, user_turn_opening, write_self_prompts
 from eyas.data.template import ChatTemplate, stop_token_ids
 
 
@@ -48,7 +48,8 @@ def test_tally_drops_truncated_empty_and_duplicates_in_id_order():
             {"id": "self-3", "prompt": "plan  a TRIP.", "finish": "stop"},
             {"id": "self-4", "prompt": " Name a colour. ", "finish": "stop"},
             {"id": "self-5", "prompt": "Sort a list.", "finish": "stop"}]
-    kept, counts = _tally(recs, 2)
+    tally = Tally(2).add(recs[:3]).add(recs[3:])  # in batches as they come
+    kept, counts = tally.kept, tally.counts
     assert kept == [{"id": "self-0", "prompt": "Plan a trip."}, {"id": "self-4", "prompt": "Name a colour."}]
     assert counts == {"kept": 3, "truncated": 1, "empty": 1, "duplicate": 1}
 
@@ -66,13 +67,17 @@ def _recs(spec: str, start: int = 0) -> list[dict]:
             for i, c in enumerate(spec)]
 
 
+def _plan(records: list[dict], rows: int, num_prompts: int, openers: list[str], share: float) -> list:
+    return Tally(num_prompts, round(num_prompts * share) if openers else 0).add(records).plan(rows, openers)
+
+
 def test_openers_steer_an_even_share_in_turn():
     """Nothing written yet: a share of the rows, spread evenly, take the openers in turn."""
-    assert plan_batch([], 8, 100, ["A", "B"], 0.25) == [None, None, None, "A", None, None, None, "B"]
-    assert plan_batch([], 4, 6, ["A", "B"], 0.5) == [None, "A", None, "B"]
-    assert plan_batch([], 5, 10, ["A"], 1.0) == ["A"] * 5 and plan_batch([], 3, 10, [], 0.5) == [None] * 3
+    assert _plan([], 8, 100, ["A", "B"], 0.25) == [None, None, None, "A", None, None, None, "B"]
+    assert _plan([], 4, 6, ["A", "B"], 0.5) == [None, "A", None, "B"]
+    assert _plan([], 5, 10, ["A"], 1.0) == ["A"] * 5 and _plan([], 3, 10, [], 0.5) == [None] * 3
     # the openers go on in turn after the steered requests already written
-    assert plan_batch(_recs("ss"), 2, 10, ["A", "B", "C"], 1.0) == ["C", "A"]
+    assert _plan(_recs("ss"), 2, 10, ["A", "B", "C"], 1.0) == ["C", "A"]
 
 
 def test_the_share_is_of_the_kept_requests():
@@ -80,14 +85,15 @@ def test_the_share_is_of_the_kept_requests():
     # 4 of 8 steered requests were cut, none of 4 free ones: both groups lack 2 of their 6, and steered rows
     # were kept (4 + 1) / (8 + 1) as often as free ones (5 / 5): 3.6 against 2 rows wanted, 6 of 9 rows
     recs = _recs("sSsSsSsSffff")
-    assert sum(o is not None for o in plan_batch(recs, 9, 12, ["A"], 0.5)) == 6
-    assert sum(o is not None for o in plan_batch(_recs("ssssffff"), 9, 12, ["A"], 0.5)) == 4  # alike: half
+    assert sum(o is not None for o in _plan(recs, 9, 12, ["A"], 0.5)) == 6
+    assert sum(o is not None for o in _plan(_recs("ssssffff"), 9, 12, ["A"], 0.5)) == 4  # alike: half
     full = _recs("ssssss") + _recs("ff", 6)
-    assert plan_batch(full, 4, 12, ["A"], 0.5) == [None] * 4
-    kept, counts = _tally(_recs("ssssffff") + _recs("sf", 8), 6, num_steered=3)
-    assert [k["id"] for k in kept] == ["self-0000000", "self-0000001", "self-0000002", "self-0000004",
-                                       "self-0000005", "self-0000006"]
-    assert counts == {"kept": 10, "truncated": 0, "empty": 0, "duplicate": 0}
+    assert _plan(full, 4, 12, ["A"], 0.5) == [None] * 4
+    tally = Tally(6, num_steered=3).add(_recs("ssssffff") + _recs("sf", 8))
+    assert [k["id"] for k in tally.kept] == ["self-0000000", "self-0000001", "self-0000002", "self-0000004",
+                                             "self-0000005", "self-0000006"]
+    assert tally.counts == {"kept": 10, "truncated": 0, "empty": 0, "duplicate": 0}
+    assert tally.written == {True: 5, False: 5} and tally.usable == {True: 5, False: 5}
 
 
 def test_steered_requests_start_with_their_opener_and_resume_alike(tiny_target, tmp_path):
