@@ -62,10 +62,10 @@ class Request:
         runner, draft = engine.runner, engine.draft
         ids = torch.tensor([self.seq])
         m = len(self.seq) - 1  # the last token has no next token to pair with its features
-        pos = Positions(len(self.seq) + 8, engine.device)
+        pos = Positions(len(self.seq) + 64, engine.device)  # room for the positions of a deep tree at the end
         runner.attach()
         try:
-            cache = runner.new_cache(len(self.seq) + 8)
+            cache = runner.new_cache(len(self.seq))
             _, aux = runner.forward(cache, ids[:, :m], pos.at(0, m), causal_mask(0, m, engine.device))
         finally:
             runner.detach()
