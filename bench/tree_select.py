@@ -14,7 +14,9 @@ depth) reuses its candidate pool at N.
 Rules: `total` nodes kept (the tree's third number), and a depth penalty: a node's score is its cumulative
 draft log-prob minus penalty x depth (0 is EAGLE-2's rule and the engine's), capped by its parent's so the
 kept set stays closed under ancestors. A positive penalty moves kept nodes from deep, unlikely paths to
-shallow alternatives at the same count of verified tokens; a negative one the other way.
+shallow alternatives at the same count of verified tokens; a negative one the other way. `--tails` hangs a
+greedy chain of that many draft tokens under the pool's best node at the last level (when the tree kept it):
+one 1-row draft step and one verified token per chain token, against a whole level of `topk` rows.
 
 `--check N` decodes the first N requests with the engine itself (dynamic path, same draft and shapes, no
 penalty) and prints its tau beside the simulation's: they agree unless fp32 rounding flips a near tie between
@@ -37,7 +39,7 @@ from eyas.commands.eval import build_engine
 from eyas.data.template import stop_token_ids
 from eyas.spec.accept import walk_greedy
 from eyas.spec.bench import encode_turn, load_bench, parse_tree
-from eyas.spec.drafting import Pool, select_tree, tree_pool
+from eyas.spec.drafting import Pool, Proposal, kept_order, select_tree, tree_pool
 from eyas.spec.target import Positions, causal_mask
 from eyas.target import load_target
 
@@ -51,13 +53,52 @@ def _penalised(pool: Pool, penalty: float) -> Pool:
     for s, d, parent in zip(pool.scores, pool.depths, pool.parents):
         s -= penalty * d
         scores.append(s if parent < 0 else min(s, scores[parent]))
-    return Pool(scores, pool.depths, pool.parents, pool.ids, pool.num_fed)
+    return Pool(scores, pool.depths, pool.parents, pool.ids, pool.num_fed, pool.last)
+
+
+def _chain(draft, pool: Pool, cache, past: int, positions, tail: int) -> tuple[int, list[int]]:
+    """(pool index of the best node at the pool's last level, `tail` greedy draft ids after it): the leaf is fed
+    with its parent's hidden output, seeing the committed past, its expanded ancestors and itself; each next
+    token likewise, its chain included."""
+    if not tail or pool.last is None:
+        return -1, []
+    frontier, hidden, slot_of = pool.last
+    depth = max(pool.depths)
+    leaf = max((i for i, d in enumerate(pool.depths) if d == depth), key=lambda i: (pool.scores[i], -i))
+    seen, a = [], pool.parents[leaf]
+    while a >= 0:
+        seen.append(past + slot_of[a])
+        a = pool.parents[a]
+    h, tok, length, ids = hidden[:, frontier.index(pool.parents[leaf])][:, None], pool.ids[leaf], past + len(slot_of), []
+    for j in range(tail):
+        mask = torch.zeros(1, length + 1, dtype=torch.bool)
+        mask[:, :past] = True
+        mask[0, seen + [length]] = True
+        out = draft(h, draft.to_target_ids(torch.tensor([tok])).view(1, 1), positions[:, depth - 1 + j:depth + j],
+                    past_key_values=cache, attention_mask=mask[None, None])
+        cache, h = out.past_key_values, out.hidden_out[:, -1:]
+        seen.append(length)
+        length += 1
+        tok = int(out.logits[0, -1].argmax())
+        ids.append(tok)
+    return leaf, ids
+
+
+def _with_tail(prop: Proposal, order: list[int], leaf: int, chain: list[int], depth: int, d2t) -> Proposal:
+    """The proposal with the chain hung under its leaf, if the leaf was kept."""
+    if not chain or leaf not in order:
+        return prop
+    at = order.index(leaf)
+    tokens = prop.tokens + [t + (d2t[t] if d2t else 0) for t in chain]
+    parents = prop.parents + [at] + [len(prop.tokens) + j for j in range(len(chain) - 1)]
+    depths = prop.depths + [depth + 1 + j for j in range(len(chain))]
+    return Proposal(tokens, parents, depths, prop.num_fed + len(chain))
 
 
 class Request:
     """One turn: its prompt, the greedy continuation, and the draft's teacher-forced state over both."""
 
-    def __init__(self, engine, prompt: list[int], answer: list[int]):
+    def __init__(self, engine, prompt: list[int], answer: list[int], tail: int = 0):
         self.n, self.seq = len(prompt), prompt + answer
         runner, draft = engine.runner, engine.draft
         ids = torch.tensor([self.seq])
@@ -73,27 +114,34 @@ class Request:
             out = draft(draft.fuse(aux)[None], ids[:, 1:m + 1], pos.at(0, m))
         self.hidden, self.logits, self.kv = out.hidden_out, out.logits[0], out.past_key_values
         self.pos = pos
-        self.pools: dict[tuple[int, int, int], Pool] = {}
+        self.pools: dict[tuple[int, int, int], tuple[Pool, tuple[int, list[int]]]] = {}
+        self.tail = tail  # chain tokens computed under each pool's best leaf (the longest tail asked)
 
-    def pool(self, draft, big_n: int, topk: int, depth: int) -> Pool:
-        """The candidates of a tree drafted after big_n committed tokens (entry big_n - 1 is the root)."""
-        key = (big_n, topk, depth)
+    def pool(self, draft, big_n: int, topk: int, depth: int) -> tuple[Pool, tuple[int, list[int]]]:
+        """The candidates of a tree drafted after big_n committed tokens (entry big_n - 1 is the root), and a
+        greedy chain of `self.tail` draft ids continuing the pool's best node at the last level (its pool index)."""
+        key, tail = (big_n, topk, depth), self.tail
         if key not in self.pools:
             k, v = self.kv
             cache = (k[:, :, :big_n], v[:, :, :big_n])  # a tuple is copied on its first append, never written
+            positions = self.pos.at(big_n, depth + tail)
             with torch.no_grad():
-                self.pools[key], _ = tree_pool(draft, cache, self.hidden[:, big_n - 1:big_n], self.logits[big_n - 1],
-                                               self.pos.at(big_n, depth), topk, depth)
+                pool, cache = tree_pool(draft, cache, self.hidden[:, big_n - 1:big_n], self.logits[big_n - 1],
+                                        positions, topk, depth)
+                self.pools[key] = pool, _chain(draft, pool, cache, big_n, positions, tail)
         return self.pools[key]
 
-    def simulate(self, draft, d2t, tree: tuple[int, int, int], penalty: float, max_new: int, eos: set[int]):
+    def simulate(self, draft, d2t, tree: tuple[int, int, int], penalty: float, max_new: int, eos: set[int],
+                 tail: int = 0):
         """-> accepted drafts per cycle, as the engine's greedy tree decoding would have them."""
         topk, depth, total = tree
         big_n, made, accepted = self.n, 1, []  # the prefill made the first token (pending at n)
         if self.seq[self.n] in eos:
             return accepted
         while made < max_new:
-            prop = select_tree(_penalised(self.pool(draft, big_n, topk, depth), penalty), total, d2t)
+            pool, (leaf, chain) = self.pool(draft, big_n, topk, depth)
+            pool = _penalised(pool, penalty)
+            prop = _with_tail(select_tree(pool, total, d2t), kept_order(pool, total), leaf, chain[:tail], depth, d2t)
             best = [self.seq[big_n + 1 + d] if big_n + 1 + d < len(self.seq) else -1 for d in [0] + prop.depths]
             path, _ = walk_greedy(best, prop.tokens, prop.parents)
             accepted.append(len(path))
@@ -135,6 +183,7 @@ def main() -> None:
     p.add_argument("--max-new", type=int, default=256)
     p.add_argument("--trees", nargs="+", default=["16,5,64"], help="topk,depth,total shapes")
     p.add_argument("--penalties", default="0", help="comma list of depth penalties (nats per level)")
+    p.add_argument("--tails", default="0", help="comma list of chain lengths hung under the best deepest node")
     p.add_argument("--check", type=int, default=0, help="also decode the first N requests with the engine")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--by-token", action="store_true",
@@ -147,7 +196,8 @@ def main() -> None:
     eos = stop_token_ids(tok, getattr(target.model, "generation_config", None))
     trees = [parse_tree(t) for t in args.trees]
     penalties = [float(x) for x in args.penalties.split(",")]
-    extra = max(t[1] for t in trees) + 2
+    tails = [int(x) for x in args.tails.split(",")]
+    extra = max(t[1] for t in trees) + max(tails) + 2
     rows = []
     for bench in args.bench or ["humaneval"]:
         t0 = time.perf_counter()
@@ -158,7 +208,7 @@ def main() -> None:
                 history.append({"role": "user", "content": text})
                 ids = encode_turn(tok, history)
                 res = engine.plain_generate(ids, args.max_new + extra, eos_token_ids=eos)
-                requests.append(Request(engine, ids, res.tokens))
+                requests.append(Request(engine, ids, res.tokens, max(tails)))
                 shown = res.tokens[:args.max_new]
                 shown = shown[:next((i + 1 for i, t in enumerate(shown) if t in eos), len(shown))]
                 history.append({"role": "assistant", "content": tok.decode(shown, skip_special_tokens=True)})
@@ -169,14 +219,14 @@ def main() -> None:
             print(f"  first guess (root's best child), {total} positions: " + "; ".join(
                 f"{c} {100 * n / total:.0f} % of tokens, right {100 * k / max(n, 1):.1f} %" for c, (k, n) in classes.items()))
         for tree in trees:
-            for penalty in penalties:
+            for penalty, tail in [(pen, t) for pen in penalties for t in tails]:
                 t1 = time.perf_counter()
-                acc = [a for r in requests for a in r.simulate(draft, d2t, tree, penalty, args.max_new, set(eos))]
-                deep = sum(a == tree[1] for a in acc) / max(1, len(acc))
-                rows.append((bench, ",".join(map(str, tree)), penalty, (sum(acc) + len(acc)) / max(1, len(acc)),
+                acc = [a for r in requests for a in r.simulate(draft, d2t, tree, penalty, args.max_new, set(eos), tail)]
+                deep = sum(a >= tree[1] for a in acc) / max(1, len(acc))
+                rows.append((bench, ",".join(map(str, tree)), penalty, tail, (sum(acc) + len(acc)) / max(1, len(acc)),
                              len(acc), deep))
-                print(f"  tree {rows[-1][1]} penalty {penalty}: tau {rows[-1][3]:.3f} over {len(acc)} cycles "
-                      f"({time.perf_counter() - t1:.0f} s)", flush=True)
+                print(f"  tree {rows[-1][1]} penalty {penalty} tail {tail}: tau {rows[-1][4]:.3f} over {len(acc)} "
+                      f"cycles ({time.perf_counter() - t1:.0f} s)", flush=True)
         for tree in trees[:1] if args.check else []:
             sim, real = [], []
             for r in requests[:args.check]:
@@ -185,10 +235,10 @@ def main() -> None:
                 real += res.accepted_per_cycle
             print(f"  check, tree {tree}, first {args.check} turns: simulated tau {(sum(sim) + len(sim)) / len(sim):.3f} "
                   f"over {len(sim)} cycles, engine {(sum(real) + len(real)) / len(real):.3f} over {len(real)}")
-    print("\n| benchmark | tree | depth penalty | tau (pooled) | cycles | cycles reaching the depth |")
-    print("|---|---|---|---|---|---|")
-    for bench, tree, penalty, tau, cycles, deep in rows:
-        print(f"| {bench} | {tree} | {penalty:g} | {tau:.3f} | {cycles} | {100 * deep:.0f} % |")
+    print("\n| benchmark | tree | depth penalty | tail | tau (pooled) | cycles | cycles reaching the depth |")
+    print("|---|---|---|---|---|---|---|")
+    for bench, tree, penalty, tail, tau, cycles, deep in rows:
+        print(f"| {bench} | {tree} | {penalty:g} | {tail} | {tau:.3f} | {cycles} | {100 * deep:.0f} % |")
 
 
 if __name__ == "__main__":

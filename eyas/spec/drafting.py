@@ -82,6 +82,9 @@ class Pool:
     parents: list[int]  # pool index of the parent, -1 = root
     ids: list[int]  # draft vocabulary ids
     num_fed: int = 0  # tokens the draft was fed to score them
+    # the last expanded level: its pool indices, their hidden outputs [1, F, H] (the input of their children)
+    # and every expanded node's draft-cache slot after the committed ones; None for a depth of 1
+    last: tuple[list[int], torch.Tensor, dict[int, int]] | None = None
 
 
 def draft_tree(draft, cache, hidden, logits, positions, topk: int, depth: int, total: int, d2t: list[int] | None = None):
@@ -97,14 +100,20 @@ def draft_tree(draft, cache, hidden, logits, positions, topk: int, depth: int, t
 
 def select_tree(pool: Pool, total: int, d2t: list[int] | None = None) -> Proposal:
     """The `total` nodes of highest score (ties to the shallower), parents first, as a Proposal."""
-    scores, depths = pool.scores, pool.depths
-    order = sorted(range(len(scores)), key=lambda i: (-scores[i], depths[i], i))[:total]
-    order.sort(key=lambda i: (depths[i], -scores[i], i))  # parents first, siblings by score
+    depths, order = pool.depths, kept_order(pool, total)
     index = {p: i for i, p in enumerate(order)}
     target_ids = [pool.ids[p] + (d2t[pool.ids[p]] if d2t else 0) for p in order]
     parents = [index[pool.parents[p]] if pool.parents[p] >= 0 else -1 for p in order]
     assert all(p < i for i, p in enumerate(parents)), "tree nodes must follow their parents"
     return Proposal(target_ids, parents, [depths[p] for p in order], pool.num_fed)
+
+
+def kept_order(pool: Pool, total: int) -> list[int]:
+    """Pool indices of the `total` nodes of highest score (ties to the shallower), in the Proposal's order:
+    parents first, siblings by score."""
+    scores, depths = pool.scores, pool.depths
+    order = sorted(range(len(scores)), key=lambda i: (-scores[i], depths[i], i))[:total]
+    return sorted(order, key=lambda i: (depths[i], -scores[i], i))
 
 
 def tree_pool(draft, cache, hidden, logits, positions, topk: int, depth: int) -> tuple[Pool, object]:
@@ -157,4 +166,5 @@ def tree_pool(draft, cache, hidden, logits, positions, topk: int, depth: int) ->
         frontier_ids = child.indices.flatten()[best]
         frontier_scores = cum.flatten()[best]
         frontier_hidden = out.hidden_out[:, best // k]  # each new frontier node's parent output
-    return Pool(pool_scores, pool_depth, pool_parent, pool_ids, len(slot_of)), cache
+    last = (list(frontier), out.hidden_out, dict(slot_of)) if depth > 1 else None
+    return Pool(pool_scores, pool_depth, pool_parent, pool_ids, len(slot_of), last), cache
