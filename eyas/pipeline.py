@@ -258,7 +258,6 @@ class Runner:
         self.records: list[dict] = []
         self.jobs: list[Job] = []
         self.summary: list[str] = []
-        self._decided: dict[str, dict[str, str]] = {}  # stage -> the fingerprint its last decision computed
 
     # -- bookkeeping files
     def _save_state(self) -> None:
@@ -289,10 +288,10 @@ class Runner:
         print(f"eyas run: {msg}", flush=True)
 
     # -- decisions
-    def decide(self, stage: Stage) -> tuple[str, str]:
-        """('skip'|'resume'|'fresh', why). The stage's fingerprint is kept for run_wave, which records it
-        (its inputs' manifests are walked once per decision, not again at the start)."""
-        parts = self._decided[stage.name] = fingerprint_parts(stage, self.cfg, self.run)
+    def decide(self, stage: Stage) -> tuple[str, str, dict[str, str]]:
+        """('skip'|'resume'|'fresh', why, the stage's fingerprint): run_wave records the fingerprint, so its
+        inputs' manifests are walked once per decision, not again at the start."""
+        parts = fingerprint_parts(stage, self.cfg, self.run)
         rec = self.state.get(stage.name, {})
         out = self.run / stage.writes
         old, changes = rec.get("parts") or {}, None
@@ -307,19 +306,19 @@ class Runner:
                 old["config"] = parts["config"]
         if rec.get("parts") == parts:
             if rec.get("status") == "done" and rec.get("outputs") == sha256_json(manifest(out)):
-                return "skip", "done, inputs unchanged"
+                return "skip", "done, inputs unchanged", parts
             if out.exists():
-                return "resume", f"resuming after '{rec.get('status', 'unfinished')}'"
-            return "fresh", "output missing"
+                return "resume", f"resuming after '{rec.get('status', 'unfinished')}'", parts
+            return "fresh", "output missing", parts
         if rec.get("parts") and out.exists():
             changed = [k for k in parts if rec["parts"].get(k) != parts[k]]
             if "config" in changed and changes:
                 changed[changed.index("config")] = f"config: {', '.join(changes)}"
             shutil.rmtree(out) if out.is_dir() else out.unlink()
-            return "fresh", f"inputs changed ({', '.join(changed)}): old output removed"
+            return "fresh", f"inputs changed ({', '.join(changed)}): old output removed", parts
         if out.exists():
-            return "resume", "output present without a record: resuming"
-        return "fresh", "first run"
+            return "resume", "output present without a record: resuming", parts
+        return "fresh", "first run", parts
 
     def devices_for(self, stage: Stage, share: int = 0, of: int = 1) -> list[int]:
         need = stage.gpus(self.cfg) if callable(stage.gpus) else stage.gpus
@@ -345,28 +344,27 @@ class Runner:
         i = 0
         while i < len(active):
             stage = active[i]
-            action, why = self.decide(stage)
+            action, why, parts = self.decide(stage)
             self.log(f"{stage.name}: {'skipped' if action == 'skip' else 'running'} ({why})")
             if action == "skip":
                 i += 1
                 continue
-            wave = [(stage, action)]
+            wave = [(stage, action, parts)]
             partner = active[i + 1] if i + 1 < len(active) else None
             if partner and partner.tails == stage.name and self.opts.overlap and len(self.pool) >= 2:
-                p_action, p_why = self.decide(partner)
+                p_action, p_why, p_parts = self.decide(partner)
                 self.log(f"{partner.name}: running alongside {stage.name}, tailing its output ({p_why})")
-                wave.append((partner, p_action))
+                wave.append((partner, p_action, p_parts))
             self.run_wave(wave)
             i += len(wave)
 
-    def run_wave(self, wave: list[tuple[Stage, str]]) -> None:
+    def run_wave(self, wave: list[tuple[Stage, str, dict[str, str]]]) -> None:
         self.jobs = []
-        for n, (stage, action) in enumerate(wave):
+        for n, (stage, action, parts) in enumerate(wave):
             devices = self.devices_for(stage, n, len(wave))
             ctx = Ctx(self.cfg, self.run, len(devices), action == "resume", tail=n > 0)
             cmds = [c for c in stage.commands(ctx) if not (action == "resume" and c.out and Path(c.out).exists())]
             rec = self.state.setdefault(stage.name, {})
-            parts = self._decided.pop(stage.name, None) or fingerprint_parts(stage, self.cfg, self.run)
             rec.update(status="running", parts=parts,
                        config_values=config_values(stage, self.cfg), devices=devices,
                        started_at=time.time(), log=str(self.run / "logs" / f"{stage.name}.log"))

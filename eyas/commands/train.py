@@ -184,7 +184,7 @@ def main(args) -> int:
         source = store_training_source(cfg, args)
     init = None
     if cfg.train.init_from:
-        from eyas.export.load import load_draft
+        from eyas.export import load_draft
 
         init = load_draft(cfg.train.init_from, embed_tokens=source.embed_weight)
     train(cfg, args.out, source, resume=args.resume, device=device, init=init)

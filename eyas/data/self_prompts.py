@@ -170,17 +170,15 @@ def write_self_prompts(target, template, num_prompts: int, out_path: str | Path,
         print0(f"the target wrote {len(kept)} usable prompts of the {num_prompts} asked in {len(records)} tries "
                f"(dropped: {counts['truncated']} hit data.self_prompt_max_tokens, {counts['duplicate']} duplicates, "
                f"{counts['empty']} empty); {fix}")
-    steered = {r["id"] for r in records if r.get("opener")}
-    with_opener = sum(p["id"] in steered for p in kept)
+    with_opener, written = num_steered - tally.quota[True], tally.written[True]  # kept and written with one
     if openers:
-        written = len(steered)
         print0(f"{with_opener} of the {len(kept)} kept requests start with an opener, {num_steered} asked "
                f"(data.self_prompt_opener_share={opener_share}); {written} of the {len(records)} written did"
                + ("" if with_opener == num_steered else
                   "; the steered ones were dropped too often: raise data.self_prompt_max_tokens"))
     summary = {"num_asked": num_prompts, "num_kept": len(kept), "num_written": len(records),
                "num_kept_with_opener": with_opener, "num_asked_with_opener": num_steered,
-               "num_written_with_opener": len(steered),
+               "num_written_with_opener": written,
                "dropped": {k: v for k, v in counts.items() if k != "kept"}, "opening_tokens": len(opening),
                "seconds_this_run": round(time.perf_counter() - t0, 2), "num_tokens_this_run": num_tokens}
     return kept, summary

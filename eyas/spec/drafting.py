@@ -166,5 +166,5 @@ def tree_pool(draft, cache, hidden, logits, positions, topk: int, depth: int) ->
         frontier_ids = child.indices.flatten()[best]
         frontier_scores = cum.flatten()[best]
         frontier_hidden = out.hidden_out[:, best // k]  # each new frontier node's parent output
-    last = (list(frontier), out.hidden_out, dict(slot_of)) if depth > 1 else None
+    last = (frontier, out.hidden_out, slot_of) if depth > 1 else None  # references: nothing is copied
     return Pool(pool_scores, pool_depth, pool_parent, pool_ids, len(slot_of), last), cache
