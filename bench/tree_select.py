@@ -84,11 +84,14 @@ def _chain(draft, pool: Pool, cache, past: int, positions, tail: int) -> tuple[i
     return leaf, ids
 
 
-def _with_tail(prop: Proposal, order: list[int], leaf: int, chain: list[int], depth: int, d2t) -> Proposal:
+def _with_tail(prop: Proposal, pool: Pool, total: int, leaf: int, chain: list[int], d2t) -> Proposal:
     """The proposal with the chain hung under its leaf, if the leaf was kept."""
-    if not chain or leaf not in order:
+    if not chain:
         return prop
-    at = order.index(leaf)
+    order = kept_order(pool, total)  # the proposal's nodes as pool indices
+    if leaf not in order:
+        return prop
+    at, depth = order.index(leaf), pool.depths[leaf]
     tokens = prop.tokens + [t + (d2t[t] if d2t else 0) for t in chain]
     parents = prop.parents + [at] + [len(prop.tokens) + j for j in range(len(chain) - 1)]
     depths = prop.depths + [depth + 1 + j for j in range(len(chain))]
@@ -141,7 +144,7 @@ class Request:
         while made < max_new:
             pool, (leaf, chain) = self.pool(draft, big_n, topk, depth)
             pool = _penalised(pool, penalty)
-            prop = _with_tail(select_tree(pool, total, d2t), kept_order(pool, total), leaf, chain[:tail], depth, d2t)
+            prop = _with_tail(select_tree(pool, total, d2t), pool, total, leaf, chain[:tail], d2t)
             best = [self.seq[big_n + 1 + d] if big_n + 1 + d < len(self.seq) else -1 for d in [0] + prop.depths]
             path, _ = walk_greedy(best, prop.tokens, prop.parents)
             accepted.append(len(path))
