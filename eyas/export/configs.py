@@ -41,7 +41,9 @@ def serving_target(meta: dict) -> str | None:
 
 def llama_layer_config(dc: dict) -> dict:
     """The draft's one decoder layer as a Llama config (both rope layouts: transformers 4 and 5 readers)."""
-    rope_parameters = {"rope_type": "default", **(dc["rope_scaling"] or {}), "rope_theta": dc["rope_theta"]}
+    scaling = dc["rope_scaling"] or {}
+    rope_type = scaling.get("rope_type", scaling.get("type", "default"))  # "type": transformers' old spelling
+    rope_parameters = {**scaling, "rope_type": rope_type, "rope_theta": dc["rope_theta"]}
     return {
         "model_type": "llama",
         "hidden_size": dc["hidden_size"],
@@ -83,7 +85,7 @@ def sglang_config(dc: dict, aux_layers: list[int], dtype: str) -> dict:
 def vllm_config(dc: dict, aux_layers: list[int], dtype: str) -> dict:
     cfg = _flat(dc, aux_layers, dtype)
     cfg["eagle_aux_hidden_state_layer_ids"] = list(aux_layers)
-    cfg["norm_before_residual"] = False  # explicit: vLLM's speculators path defaults it to true
+    cfg["norm_before_residual"] = False  # vLLM's flat path defaults it to false too; explicit all the same
     cfg["eagle_config"] = {"use_aux_hidden_state": True}
     return cfg
 

@@ -16,10 +16,12 @@ import json
 from pathlib import Path
 
 from eyas.common import EyasError, read_json
-from eyas.export.keys import EMBED, from_foreign
+from eyas.export.configs import FORMATS
+from eyas.export.keys import EMBED, FROM_FOREIGN, from_foreign
 
-# flags of the speculators format that change the computation; eyas's draft has them all off
-SPECULATORS_OFF_FLAGS = ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output")
+# config flags that change the draft's computation (vLLM reads them on both config paths); eyas's draft
+# has them all off
+LAYOUT_FLAGS = ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output")
 
 
 def resolve_draft_dir(path: str | Path) -> Path:
@@ -111,17 +113,49 @@ def _aux_from_flat(cfg: dict, source: str) -> list[int] | None:
     return list(top) if top else from_sgl
 
 
-def _meta_from_export(d: Path, cfg: dict, state: dict) -> tuple[dict, dict]:
+def _check_eyas_export(d: Path, cfg: dict, ej: dict, weight_names: list[str]) -> None:
+    """An eyas export must say in config.json what its engine reads: no engine looks at eyas.json, and one
+    that finds no aux ids in its own key captures its default layers ([2, n//2, n-3] in HF ids)."""
+    fmt = ej.get("format")
+    if fmt not in FORMATS:
+        raise EyasError(f"{d / 'eyas.json'}: format {fmt!r} is not one of {', '.join(FORMATS)}")
+    if ("speculators_model_type" in cfg) != (fmt == "speculators"):
+        raise EyasError(f"{d}: eyas.json says format {fmt!r} but config.json is "
+                        f"{'a speculators' if 'speculators_model_type' in cfg else 'a flat'} config")
+    if fmt == "sglang":  # SGLang reads only eagle_config's list, vLLM and speculators only the top-level one
+        key, found = "eagle_config.eagle_aux_hidden_state_layer_ids", (cfg.get("eagle_config") or {}).get(
+            "eagle_aux_hidden_state_layer_ids")
+    else:
+        key, found = "eagle_aux_hidden_state_layer_ids", cfg.get("eagle_aux_hidden_state_layer_ids")
+    expected = ej.get("aux_layers_written")
+    if expected is None or found is None or list(found) != list(expected):
+        raise EyasError(f"{d / 'config.json'}: {key} is {'missing' if found is None else list(found)}, but "
+                        f"eyas.json says {expected} ({ej.get('aux_layers_convention')} convention) was written "
+                        f"there; without it the engine captures its default layers")
+    if fmt == "sglang":  # SGLang skips, without a word, any weight it cannot place (see keys.py)
+        layer = [k for k in weight_names if FROM_FOREIGN.get(k, "").startswith("layers.0.")]
+        wrong = sorted(k for k in layer if not k.startswith("midlayer."))
+        if wrong:
+            raise EyasError(f"{d / 'model.safetensors'}: an SGLang export names its decoder layer `midlayer.*`, "
+                            f"found {wrong[:3]}; SGLang would serve a random layer")
+
+
+def _meta_from_export(d: Path, cfg: dict, state: dict, weight_names: list[str]) -> tuple[dict, dict]:
     from eyas.draft import DraftConfig
 
     source = str(d / "config.json")
     speculators = "speculators_model_type" in cfg
+    if speculators and cfg["speculators_model_type"] != "eagle3":
+        raise EyasError(f"{source}: speculators model type {cfg['speculators_model_type']!r} is not eagle3")
+    # vLLM treats a missing norm_before_residual as true on the speculators path, as false on the flat one
+    on = [f for f in LAYOUT_FLAGS if cfg.get(f, speculators and f == "norm_before_residual")]
+    if on:
+        raise EyasError(f"{source}: {on} set to true; eyas's EAGLE-3 draft supports only the plain layout "
+                        f"(all false{'' if speculators else ' or absent'})")
+    if not (cfg.get("eagle_config") or {}).get("use_aux_hidden_state", True):
+        raise EyasError(f"{source}: eagle_config.use_aux_hidden_state is false: engines would feed the target's "
+                        f"hidden state to the layer without fc; eyas's draft always fuses its aux states through fc")
     if speculators:
-        if cfg["speculators_model_type"] != "eagle3":
-            raise EyasError(f"{source}: speculators model type {cfg['speculators_model_type']!r} is not eagle3")
-        on = [f for f in SPECULATORS_OFF_FLAGS if cfg.get(f, f == "norm_before_residual")]
-        if on:  # vLLM treats a missing norm_before_residual as true
-            raise EyasError(f"{source}: {on} set; eyas's EAGLE-3 draft supports only the plain layout (all false)")
         layer_cfg = dict(cfg["transformer_layer_config"])
         aux = cfg.get("eagle_aux_hidden_state_layer_ids")
         verifier = (cfg.get("speculators_config") or {}).get("verifier") or {}
@@ -146,6 +180,7 @@ def _meta_from_export(d: Path, cfg: dict, state: dict) -> tuple[dict, dict]:
     side = d / "eyas.json"  # written by eyas's exporter next to config.json: the exact draft config and target
     if side.is_file():
         ej = read_json(side)
+        _check_eyas_export(d, cfg, ej, weight_names)
         if meta["aux_layers"] is not None and list(ej.get("aux_layers") or []) != meta["aux_layers"]:
             raise EyasError(f"{d}: config.json names aux layers {meta['aux_layers']} (HF convention) but eyas.json "
                             f"{ej.get('aux_layers')}; one of them was edited")
@@ -171,8 +206,9 @@ def load_draft(path: str | Path, embed_tokens=None):
     from eyas.draft import DraftConfig, Eagle3Draft
 
     d = resolve_draft_dir(path)
+    raw = _read_weights(d)
     try:
-        state = from_foreign(_read_weights(d), str(d))
+        state = from_foreign(raw, str(d))
     except ValueError as e:
         raise EyasError(str(e)) from None
     if (d / "draft.json").is_file():
@@ -182,7 +218,7 @@ def load_draft(path: str | Path, embed_tokens=None):
             cfg = json.loads((d / "config.json").read_text())
         except ValueError as e:
             raise EyasError(f"{d / 'config.json'}: not valid JSON ({e})") from None
-        draft_cfg, meta = _meta_from_export(d, cfg, state)
+        draft_cfg, meta = _meta_from_export(d, cfg, state, list(raw))
     try:
         dc = DraftConfig.from_dict(draft_cfg)
     except (TypeError, ValueError) as e:

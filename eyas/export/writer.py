@@ -1,7 +1,7 @@
 """`export`: a trained draft -> one directory per serving engine (REFERENCE.md section 6).
 
 Each `OUT/<format>/` holds `model.safetensors` (floats in the serving dtype, `d2t` int64 and `t2d` bool
-when the draft vocabulary is smaller than the target's), the engine's `config.json`, `eyas.json` (the
+unless the draft vocabulary is the target's in the same order), the engine's `config.json`, `eyas.json` (the
 exact draft config, HF aux ids and target identity, so that eyas reads the export back losslessly)
 and a README.md with the launch command. A directory is written under a temporary name and renamed
 into place, so a reader never sees half an export.
@@ -47,8 +47,9 @@ def check_exportable(draft, meta: dict, formats: list[str]) -> None:
         raise EyasError(f"{src}: {len(aux)} aux layer ids {aux} but fc takes {fc_in} = {fc_in / hidden:g} x "
                         f"hidden_size {hidden} inputs; the recorded ids do not belong to these weights")
     if len(aux) != 3 and set(formats) & {"sglang", "vllm"}:
-        raise EyasError(f"{src}: the draft fuses {len(aux)} aux layers, but SGLang and vLLM build fc for exactly 3; "
-                        f"export it only with --to speculators, or train with train.features=fused")
+        raise EyasError(f"{src}: the draft fuses {len(aux)} aux layers, but vLLM (and SGLang before its "
+                        f"PR #24663) builds fc for exactly 3; export it only with --to speculators, or train "
+                        f"with train.features=fused")
     store = meta.get("store")
     if store and (Path(store) / "manifest.json").is_file():
         manifest = read_json(Path(store) / "manifest.json")
@@ -86,8 +87,8 @@ def _weights(draft, meta: dict, dtype: str, with_embed: bool) -> dict:
             warn(f"{meta.get('path')}: no target embedding in the checkpoint or its store; "
                  f"exporting without embed_tokens.weight")
         state.pop(EMBED)
-    if draft.cfg.draft_vocab_size == draft.cfg.vocab_size:
-        state.pop("d2t"), state.pop("t2d")  # identity mapping: engines treat a missing map as the full vocab
+    if draft.cfg.draft_vocab_size == draft.cfg.vocab_size and not state["d2t"].any():
+        state.pop("d2t"), state.pop("t2d")  # identity mapping: engines treat a missing map as the identity
     else:
         state["d2t"], state["t2d"] = state["d2t"].to(torch.int64), state["t2d"].to(torch.bool)
     return {k: (v.to(cast) if v.is_floating_point() else v).contiguous() for k, v in state.items()}
