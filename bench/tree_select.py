@@ -18,12 +18,19 @@ shallow alternatives at the same count of verified tokens; a negative one the ot
 greedy chain of that many draft tokens under the pool's best node at the last level (when the tree kept it):
 one 1-row draft step and one verified token per chain token, against a whole level of `topk` rows.
 
+`--lookups LENGTH:MIN_N:MAX_N` merges a prompt-lookup chain into the tree (as n-gram speculation does alone):
+the LENGTH tokens that followed the latest earlier occurrence of the context's last n tokens (the longest n
+from MAX_N down to MIN_N that occurs), as one more path from the root; nodes it shares with the tree are not
+counted twice. The walk accepts the longest matching path of either. `--trees none` leaves the lookup alone.
+Not an engine feature: it measures how much of a turn plain copying would give (SmolLM2 loops).
+
 `--check N` decodes the first N requests with the engine itself (dynamic path, same draft and shapes, no
 penalty) and prints its tau beside the simulation's: they agree unless fp32 rounding flips a near tie between
 the teacher-forced and the incremental draft cache.
 
-Prints per rule: tau pooled (accepted + 1 per cycle, as `eyas eval`), cycles, and the share of cycles whose
-accepted path reached the tree's depth. `--by-token` adds the draft's first guess at every answer position
+Prints per rule: tau pooled (accepted + 1 per cycle, as `eyas eval`), cycles, the share of cycles whose
+accepted path reached the tree's depth, the lookup nodes added per cycle, and tau after a repeated 8-token
+context and elsewhere (`eyas eval`'s split). `--by-token` adds the draft's first guess at every answer position
 (teacher-forced, the tree root's best child) by the class of the token to guess: whitespace, punctuation, a
 token already in the context, or a new one.
 """
@@ -40,6 +47,7 @@ from eyas.data.template import stop_token_ids
 from eyas.spec.accept import walk_greedy
 from eyas.spec.bench import encode_turn, load_bench, parse_tree
 from eyas.spec.drafting import Pool, Proposal, kept_order, select_tree, tree_pool
+from eyas.spec.stats import repeat_split
 from eyas.spec.target import Positions, causal_mask
 from eyas.target import load_target
 
@@ -98,6 +106,28 @@ def _with_tail(prop: Proposal, pool: Pool, total: int, leaf: int, chain: list[in
     return Proposal(tokens, parents, depths, prop.num_fed + len(chain))
 
 
+def _lookup(seq: list[int], big_n: int, length: int, min_n: int, max_n: int) -> list[int]:
+    """Prompt lookup: the `length` tokens that followed the latest earlier occurrence of the context's last
+    n tokens (n from max_n down to min_n; the context is seq[:big_n + 1], the pending token last)."""
+    for n in range(max_n, min_n - 1, -1):
+        tail = seq[big_n + 1 - n:big_n + 1]
+        for j in range(big_n - 1, n - 2, -1):  # j: the end of an earlier occurrence
+            if seq[j + 1 - n:j + 1] == tail:
+                return seq[j + 1:min(j + 1 + length, big_n + 1)]
+    return []
+
+
+def _shared(prop: Proposal, chain: list[int]) -> int:
+    """How many leading tokens of `chain` the proposal already holds as a path from the root."""
+    parent, k = -1, 0
+    for t in chain:
+        nxt = next((i for i, (u, p) in enumerate(zip(prop.tokens, prop.parents)) if p == parent and u == t), None)
+        if nxt is None:
+            break
+        parent, k = nxt, k + 1
+    return k
+
+
 class Request:
     """One turn: its prompt, the greedy continuation, and the draft's teacher-forced state over both."""
 
@@ -135,18 +165,32 @@ class Request:
         return self.pools[key]
 
     def simulate(self, draft, d2t, tree: tuple[int, int, int], penalty: float, max_new: int, eos: set[int],
-                 tail: int = 0):
-        """-> accepted drafts per cycle, as the engine's greedy tree decoding would have them."""
+                 tail: int = 0, lookup: tuple[int, int, int] = (0, 0, 0), extra: list[int] | None = None):
+        """-> accepted drafts per cycle, as the engine's greedy tree decoding would have them. With `lookup`
+        (length, min n, max n) a prompt-lookup chain is merged into the tree as a path from the root (a trie:
+        the walk accepts the longest matching path); `extra` collects the nodes it adds per cycle."""
         topk, depth, total = tree
         big_n, made, accepted = self.n, 1, []  # the prefill made the first token (pending at n)
         if self.seq[self.n] in eos:
             return accepted
         while made < max_new:
-            pool, (leaf, chain) = self.pool(draft, big_n, topk, depth)
-            pool = _penalised(pool, penalty)
-            prop = _with_tail(select_tree(pool, total, d2t), pool, total, leaf, chain[:tail], d2t)
+            if total:
+                pool, (leaf, chain) = self.pool(draft, big_n, topk, depth)
+                pool = _penalised(pool, penalty)
+                prop = _with_tail(select_tree(pool, total, d2t), pool, total, leaf, chain[:tail], d2t)
+            else:  # no tree: the lookup chain alone (prompt-lookup decoding)
+                prop = Proposal([], [], [])
             best = [self.seq[big_n + 1 + d] if big_n + 1 + d < len(self.seq) else -1 for d in [0] + prop.depths]
             path, _ = walk_greedy(best, prop.tokens, prop.parents)
+            if lookup[0]:
+                chain = _lookup(self.seq, big_n, *lookup)
+                shared = _shared(prop, chain)
+                if extra is not None:
+                    extra.append(len(chain) - shared)
+                hits = next((i for i, t in enumerate(chain) if big_n + 1 + i >= len(self.seq)
+                             or t != self.seq[big_n + 1 + i]), len(chain))
+                if hits > len(path):
+                    path = list(range(hits))  # only its length is read below
             accepted.append(len(path))
             new = self.seq[big_n + 1:big_n + 2 + len(path)]
             made += len(path) + 1
@@ -184,9 +228,12 @@ def main() -> None:
     p.add_argument("--bench", action="append", default=[], help="mt-bench | humaneval | FILE.jsonl (repeatable)")
     p.add_argument("--limit", type=int, default=12, help="requests per benchmark (the full preset's eval: 12)")
     p.add_argument("--max-new", type=int, default=256)
-    p.add_argument("--trees", nargs="+", default=["16,5,64"], help="topk,depth,total shapes")
+    p.add_argument("--trees", nargs="+", default=["16,5,64"],
+                   help="topk,depth,total shapes; none: no tree (with --lookups: prompt lookup alone)")
     p.add_argument("--penalties", default="0", help="comma list of depth penalties (nats per level)")
     p.add_argument("--tails", default="0", help="comma list of chain lengths hung under the best deepest node")
+    p.add_argument("--lookups", default="0",
+                   help="comma list of prompt-lookup chains LENGTH:MIN_N:MAX_N merged into the tree (0: none)")
     p.add_argument("--check", type=int, default=0, help="also decode the first N requests with the engine")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--by-token", action="store_true",
@@ -197,10 +244,12 @@ def main() -> None:
     engine, _ = build_engine(target, args.draft)
     draft, d2t, tok = engine.draft, engine._d2t_host(), target.tokenizer
     eos = stop_token_ids(tok, getattr(target.model, "generation_config", None))
-    trees = [parse_tree(t) for t in args.trees]
+    trees = [parse_tree(t) if t != "none" else (0, 0, 0) for t in args.trees]
     penalties = [float(x) for x in args.penalties.split(",")]
     tails = [int(x) for x in args.tails.split(",")]
-    extra = max(t[1] for t in trees) + max(tails) + 2
+    lookups = [tuple(int(v) for v in (x.split(":") + ["1", "3"])[:3]) if x != "0" else (0, 0, 0)
+               for x in args.lookups.split(",")]
+    extra = max([t[1] for t in trees] + [lk[0] for lk in lookups]) + max(tails) + 2
     rows = []
     for bench in args.bench or ["humaneval"]:
         t0 = time.perf_counter()
@@ -222,14 +271,21 @@ def main() -> None:
             print(f"  first guess (root's best child), {total} positions: " + "; ".join(
                 f"{c} {100 * n / total:.0f} % of tokens, right {100 * k / max(n, 1):.1f} %" for c, (k, n) in classes.items()))
         for tree in trees:
-            for penalty, tail in [(pen, t) for pen in penalties for t in tails]:
-                t1 = time.perf_counter()
-                acc = [a for r in requests for a in r.simulate(draft, d2t, tree, penalty, args.max_new, set(eos), tail)]
+            for penalty, tail, look in [(pen, t, lk) for pen in penalties for t in tails for lk in lookups]:
+                t1, added, acc, rep, fresh = time.perf_counter(), [], [], [], []
+                for r in requests:
+                    got = r.simulate(draft, d2t, tree, penalty, args.max_new, set(eos), tail, look, added)
+                    acc += got
+                    split = repeat_split(r.seq[r.n:r.n + args.max_new], got)
+                    rep, fresh = rep + split[0], fresh + split[1]
                 deep = sum(a >= tree[1] for a in acc) / max(1, len(acc))
-                rows.append((bench, ",".join(map(str, tree)), penalty, tail, (sum(acc) + len(acc)) / max(1, len(acc)),
-                             len(acc), deep))
-                print(f"  tree {rows[-1][1]} penalty {penalty} tail {tail}: tau {rows[-1][4]:.3f} over {len(acc)} "
-                      f"cycles ({time.perf_counter() - t1:.0f} s)", flush=True)
+                name = ":".join(map(str, look)) if look[0] else "-"
+                rows.append((bench, ",".join(map(str, tree)), penalty, tail, name, (sum(acc) + len(acc)) / max(1, len(acc)),
+                             len(acc), deep, sum(added) / max(1, len(added)),
+                             f"{sum(rep) / max(1, len(rep)):.2f} / {sum(fresh) / max(1, len(fresh)):.2f}"))
+                print(f"  tree {rows[-1][1]} penalty {penalty} tail {tail} lookup {name}: tau {rows[-1][5]:.3f} over "
+                      f"{len(acc)} cycles, {rows[-1][8]:.2f} lookup nodes added a cycle "
+                      f"({time.perf_counter() - t1:.0f} s)", flush=True)
         for tree in trees[:1] if args.check else []:
             sim, real = [], []
             for r in requests[:args.check]:
@@ -238,10 +294,12 @@ def main() -> None:
                 real += res.accepted_per_cycle
             print(f"  check, tree {tree}, first {args.check} turns: simulated tau {(sum(sim) + len(sim)) / len(sim):.3f} "
                   f"over {len(sim)} cycles, engine {(sum(real) + len(real)) / len(real):.3f} over {len(real)}")
-    print("\n| benchmark | tree | depth penalty | tail | tau (pooled) | cycles | cycles reaching the depth |")
-    print("|---|---|---|---|---|---|---|")
-    for bench, tree, penalty, tail, tau, cycles, deep in rows:
-        print(f"| {bench} | {tree} | {penalty:g} | {tail} | {tau:.3f} | {cycles} | {100 * deep:.0f} % |")
+    print("\n| benchmark | tree | depth penalty | tail | lookup | tau (pooled) | cycles | cycles reaching the depth "
+          "| lookup nodes added | tau after a repeated context / elsewhere |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for bench, tree, penalty, tail, look, tau, cycles, deep, added, split in rows:
+        print(f"| {bench} | {tree} | {penalty:g} | {tail} | {look} | {tau:.3f} | {cycles} | {100 * deep:.0f} % "
+              f"| {added:.2f} | {split} |")
 
 
 if __name__ == "__main__":

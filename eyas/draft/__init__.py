@@ -22,7 +22,8 @@ API (stable; the trainer, the speculative-decoding engine and the exporters code
   shorter cache of the same storage). `cache[0]`, `cache[1]`, `k, v = cache` give the valid views, and
   a plain `(k, v)` tuple is still accepted as input (never written into).
 - `attention_mask=None` is causal over past + new; otherwise a bool tensor [B, 1, T, S_past + T]
-  (True = may attend), e.g. a tree mask. Attention scores and the softmax are computed in fp32.
+  (True = may attend), e.g. a tree mask. Attention is one `scaled_dot_product_attention` call in the
+  model's dtype (its kernels accumulate in fp32; the scores are not materialised in fp32).
 - `state_dict()` keys are the export keys: fc.weight, embed_tokens.weight, layers.0.hidden_norm.weight,
   layers.0.input_layernorm.weight, layers.0.self_attn.{q,k,v,o}_proj.weight,
   layers.0.post_attention_layernorm.weight, layers.0.mlp.{gate,up,down}_proj.weight, norm.weight,

@@ -233,8 +233,10 @@ def ttt_forward(draft: Eagle3Draft, batch: dict, lm_head_weight: torch.Tensor, t
     loss = h.new_zeros((), dtype=torch.float32)
     stats = torch.zeros(3, ttt, dtype=torch.float64, device=ids.device)
     logits_k = [] if return_logits else None
+    rotary = getattr(draft, "rotary", None)  # its fp32 frequencies, on the device already
+    inv_freq = rotary.inv_freq if rotary is not None else None
     for k in range(ttt):
-        cos, sin = rope_cos_sin(cfg, pos + k, h.dtype)
+        cos, sin = rope_cos_sin(cfg, pos + k, h.dtype, inv_freq=inv_freq)
         mask = ttt_block_mask(t, k, ids.device) if attention == "flex" else None
         ids_k = shift_left(ids, 1 + k)
         if step_fn is not draft_step:  # compiled: four graphs for the K unrolled steps (see _dynamic)

@@ -56,3 +56,22 @@ def test_without_repeats_tau_elsewhere_is_tau_pooled():
               "total_s": 1.0} for t in turns]
     got = repeat_summary(turns, 3)
     assert got["repeat_token_share"] == 0 and got["tau_elsewhere"] == summarize(stats, 3)["tau_pooled"]
+
+
+def test_the_tree_bench_looks_up_only_what_the_context_holds():
+    """bench/tree_select.py's prompt lookup (--lookups): the tokens after the latest earlier occurrence of the
+    context's last n tokens, the longest n first, never past the pending token (the context's end)."""
+    spec = importlib.util.spec_from_file_location("tree_select", Path(__file__).resolve().parents[2] / "bench"
+                                                  / "tree_select.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    seq = [1, 2, 3, 4, 9, 2, 3, 5, 7, 2, 3, 99, 98]
+    # context seq[:11] ends "2 3": latest earlier "2 3" ends at index 6, then 5 7 2 3 (cut at the context's end)
+    assert bench._lookup(seq, 10, 8, 1, 3) == [5, 7, 2, 3]
+    assert bench._lookup(seq, 10, 2, 1, 3) == [5, 7]
+    # with n = 3 alone: the context ends "7 2 3", which occurs nowhere earlier
+    assert bench._lookup(seq, 10, 8, 3, 3) == []
+    assert bench._lookup([4, 5, 6], 2, 4, 1, 3) == []  # nothing earlier matches
+    # the chain shares its first tokens with a proposal's path from the root
+    prop = bench.Proposal([5, 8, 7], [-1, -1, 0], [1, 1, 2])
+    assert bench._shared(prop, [5, 7, 2]) == 2 and bench._shared(prop, [6]) == 0
