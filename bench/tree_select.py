@@ -47,7 +47,7 @@ from eyas.data.template import stop_token_ids
 from eyas.spec.accept import walk_greedy
 from eyas.spec.bench import encode_turn, load_bench, parse_tree
 from eyas.spec.drafting import Pool, Proposal, kept_order, select_tree, tree_pool
-from eyas.spec.stats import repeat_split
+from eyas.spec.stats import NgramIndex, repeat_split
 from eyas.spec.target import Positions, causal_mask
 from eyas.target import load_target
 
@@ -106,17 +106,6 @@ def _with_tail(prop: Proposal, pool: Pool, total: int, leaf: int, chain: list[in
     return Proposal(tokens, parents, depths, prop.num_fed + len(chain))
 
 
-def _lookup(seq: list[int], big_n: int, length: int, min_n: int, max_n: int) -> list[int]:
-    """Prompt lookup: the `length` tokens that followed the latest earlier occurrence of the context's last
-    n tokens (n from max_n down to min_n; the context is seq[:big_n + 1], the pending token last)."""
-    for n in range(max_n, min_n - 1, -1):
-        tail = seq[big_n + 1 - n:big_n + 1]
-        for j in range(big_n - 1, n - 2, -1):  # j: the end of an earlier occurrence
-            if seq[j + 1 - n:j + 1] == tail:
-                return seq[j + 1:min(j + 1 + length, big_n + 1)]
-    return []
-
-
 def _shared(prop: Proposal, chain: list[int]) -> int:
     """How many leading tokens of `chain` the proposal already holds as a path from the root."""
     parent, k = -1, 0
@@ -171,6 +160,7 @@ class Request:
         the walk accepts the longest matching path); `extra` collects the nodes it adds per cycle."""
         topk, depth, total = tree
         big_n, made, accepted = self.n, 1, []  # the prefill made the first token (pending at n)
+        index = NgramIndex(self.seq, lookup[1], lookup[2]) if lookup[0] else None
         if self.seq[self.n] in eos:
             return accepted
         while made < max_new:
@@ -183,7 +173,7 @@ class Request:
             best = [self.seq[big_n + 1 + d] if big_n + 1 + d < len(self.seq) else -1 for d in [0] + prop.depths]
             path, _ = walk_greedy(best, prop.tokens, prop.parents)
             if lookup[0]:
-                chain = _lookup(self.seq, big_n, *lookup)
+                chain = index.propose(big_n + 1, lookup[0])  # the context: seq[:big_n + 1], the pending token last
                 shared = _shared(prop, chain)
                 if extra is not None:
                     extra.append(len(chain) - shared)

@@ -595,6 +595,7 @@ def eval_results(run: Path) -> list[dict]:
                      "per_position": _first(s, "accept_at_position", "per_position") or [],
                      "speedup": _first(s, "speedup_vs_plain", "speedup"),
                      "repeats": _first(s, "repeat_token_share"), "tau_elsewhere": _first(s, "tau_elsewhere"),
+                     "ngram_tau": _first(s, "ngram_tau"),
                      "png": path.with_suffix(".png") if path.with_suffix(".png").exists() else None})
     return rows
 
@@ -678,13 +679,14 @@ def write_report(run: Path, cfg: RunConfig, state: dict) -> list[str]:
     rows = eval_results(run)
     if rows:  # "repeated context": the 8 tokens before a cycle already stood in the answer (eyas.spec.stats)
         md += ["", "## Speculative decoding", "",
-               "| benchmark-setting | tau | tau per request | tokens after a repeated context | tau elsewhere | speedup |",
-               "|---|---|---|---|---|---|"]
+               "| benchmark-setting | tau | tau per request | tokens after a repeated context | tau elsewhere "
+               "| n-gram lookup alone: tau | speedup |",
+               "|---|---|---|---|---|---|---|"]
         for r in rows:
             fmt = lambda v: f"{v:.3f}" if isinstance(v, (int, float)) else "?"  # noqa: E731
             share = f"{100 * r['repeats']:.0f} %" if isinstance(r["repeats"], (int, float)) else "?"
             md.append(f"| {r['name']} | {fmt(r['tau'])} | {fmt(r['tau_request'])} | {share} | "
-                      f"{fmt(r['tau_elsewhere'])} | {fmt(r['speedup'])} |")
+                      f"{fmt(r['tau_elsewhere'])} | {fmt(r['ngram_tau'])} | {fmt(r['speedup'])} |")
             summary.append(f"eval     {r['name']}: tau {fmt(r['tau'])}, speedup {fmt(r['speedup'])}")
         pngs = [r["png"] for r in rows if r["png"]] or [p for p in [_acceptance_png(run, rows)] if p]
         md += [""] + [f"![per-position acceptance]({p.relative_to(run)})" for p in pngs]

@@ -26,7 +26,7 @@ SUMMARY = "summary.json"
 # the figures of a benchmark summary that summary.json repeats per result
 HEADLINE = ("tau_pooled", "tau_per_request", "speedup_vs_plain", "speedup_vs_hf", "tokens_per_s", "plain_tokens_per_s",
             "hf_tokens_per_s", "plain_mismatches", "num_requests", "num_tokens", "num_cycles", "total_s",
-            "repeat_token_share", "tau_in_repeats", "tau_elsewhere")
+            "repeat_token_share", "tau_in_repeats", "tau_elsewhere", "ngram_k", "ngram_tau")
 
 HELP = "speculative decoding with a draft: acceptance length and speedup"
 EPILOG = """\

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from eyas.common import EyasError, atomic_write_json, print0, progress, sha256_json
 from eyas.spec.engine import SpecEngine
-from eyas.spec.stats import format_summary, plot_acceptance, repeat_summary, summarize
+from eyas.spec.stats import format_summary, ngram_summary, plot_acceptance, repeat_summary, summarize
 
 BUILTIN = ("mt-bench", "humaneval")
 
@@ -255,6 +255,7 @@ def bench_one(engine, target, bench: str, settings, temperature: float, max_new_
         summary.update(repeat_summary(turns))  # how much of tau comes from the target repeating itself
         if temperature == 0:
             summary["plain_mismatches"] = sum(t["tokens"] != p for t, p in zip(turns, baseline["plain_tokens"]))
+            summary.update(ngram_summary(turns, baseline["plain_tokens"], depth))  # what copying alone gives
         summary["wall_s"] = time.perf_counter() - started  # this setting's decoding and the baselines it ran
         for r in records:  # the context ids stay in the file: with them anyone can re-run plain decoding
             for t in r["turns"]:

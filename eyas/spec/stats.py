@@ -80,6 +80,59 @@ def repeat_summary(turns: list[dict], n: int = REPEAT_NGRAM) -> dict:
             "tau_elsewhere": sum(fresh) / len(fresh) if fresh else None}
 
 
+NGRAM_MIN, NGRAM_MAX = 1, 3  # the n-gram lengths n-gram lookup tries, longest first (vLLM's ngram defaults)
+
+
+class NgramIndex:
+    """Where each n-gram (n in min_n..max_n) of a growing token sequence last ended, for n-gram lookup
+    (prompt-lookup decoding): the tokens that followed the latest earlier occurrence of the context's last
+    n tokens are its guess of the next ones."""
+
+    def __init__(self, seq: list[int], min_n: int = NGRAM_MIN, max_n: int = NGRAM_MAX):
+        self.seq, self.min_n, self.max_n = seq, min_n, max_n
+        self.last: dict[tuple[int, ...], int] = {}  # n-gram -> the end index of its latest indexed occurrence
+        self.indexed = 0  # n-grams ending before this index are in `last`
+
+    def propose(self, end: int, k: int) -> list[int]:
+        """Up to k tokens after the latest occurrence, ending before end - 1, of the last n tokens of the context
+        seq[:end] (the longest n that occurs), cut at the context's end; [] when none occurs. `end` must not
+        decrease from call to call."""
+        for j in range(self.indexed, end - 1):  # the context's own last n-grams are not earlier occurrences
+            for n in range(self.min_n, min(self.max_n, j + 1) + 1):
+                self.last[tuple(self.seq[j + 1 - n:j + 1])] = j
+        self.indexed = max(self.indexed, end - 1)
+        for n in range(min(self.max_n, end), self.min_n - 1, -1):
+            j = self.last.get(tuple(self.seq[end - n:end]))
+            if j is not None:
+                return self.seq[j + 1:min(j + 1 + k, end)]
+        return []
+
+
+def ngram_accepted(prompt: list[int], tokens: list[int], k: int, min_n: int = NGRAM_MIN,
+                   max_n: int = NGRAM_MAX) -> list[int]:
+    """Accepted guesses per cycle of greedy n-gram lookup with k tokens a cycle (no draft model) whose output
+    is `tokens`: what the same target would accept from copying alone. As in the engine, the prefill makes
+    the first token and a cycle adds its accepted guesses plus the target's next token; the last cycle is cut
+    at the end of `tokens`."""
+    seq, n0 = list(prompt) + list(tokens), len(prompt)
+    index, made, accepted = NgramIndex(seq, min_n, max_n), 1, []
+    while made < len(tokens):
+        guess = index.propose(n0 + made, k)
+        a = 0
+        while a < len(guess) and made + a < len(tokens) and guess[a] == tokens[made + a]:
+            a += 1
+        accepted.append(a)
+        made += a + 1
+    return accepted
+
+
+def ngram_summary(turns: list[dict], plain_tokens: list[list[int]], k: int) -> dict:
+    """tau of n-gram lookup with k tokens a cycle over the turns' contexts ("prompt_ids") and plain decoding's
+    tokens for them: the baseline a draft has to beat (vLLM serves it as method "ngram")."""
+    accepted = [a for t, out in zip(turns, plain_tokens) for a in ngram_accepted(t["prompt_ids"], out, k)]
+    return {"ngram_k": k, "ngram_tau": (sum(accepted) + len(accepted)) / len(accepted) if accepted else None}
+
+
 def plot_acceptance(summary: dict, title: str, path) -> None:
     """A bar chart of unconditional and conditional acceptance per draft position."""
     import matplotlib
@@ -118,6 +171,9 @@ def format_summary(name: str, s: dict) -> str:
     if s.get("tau_elsewhere") is not None and s.get("tau_in_repeats") is not None:
         lines.append(f"  {100 * s['repeat_token_share']:.0f} % of the tokens follow a context the answer already "
                      f"had: tau {s['tau_in_repeats']:.2f} there, {s['tau_elsewhere']:.2f} elsewhere")
+    if s.get("ngram_tau") is not None:
+        lines.append(f"  n-gram lookup alone ({s['ngram_k']} tokens a cycle, no draft) would accept tau "
+                     f"{s['ngram_tau']:.2f} on the same turns")
     if "speedup_vs_plain" in s:
         line = f"  speedup {s['speedup_vs_plain']:.2f}x vs plain decoding ({s['plain_tokens_per_s']:.1f} tok/s)"
         if "speedup_vs_hf" in s:

@@ -23,7 +23,8 @@ def test_report_from_stage_outputs(tmp_path):
     (run / "eval").mkdir()
     (run / "eval" / "mt-bench-chain-3.json").write_text(json.dumps(
         {"summary": {"tau_pooled": 1.75, "tau_per_request": 1.7, "accept_at_position": [0.5, 0.25, 0.1],
-                     "speedup_vs_plain": 1.2, "repeat_token_share": 0.4, "tau_elsewhere": 1.5}}))
+                     "speedup_vs_plain": 1.2, "repeat_token_share": 0.4, "tau_elsewhere": 1.5,
+                     "ngram_tau": 1.25}}))
     (run / "eval" / "broken-chain-3.json").write_text("{not json")
     (run / "export" / "vllm").mkdir(parents=True)
     (run / "export" / "vllm" / "README.md").write_text("```\nvllm serve /models/t --speculative-config '{}'\n```\n")
@@ -34,7 +35,7 @@ def test_report_from_stage_outputs(tmp_path):
     assert "| prepare | done | 1.0 s | 48 samples/s | cpu |" in md
     assert "| capture | done | 2.0 s | 2400 tok/s | 0 |" in md
     assert "| train | done | 4.0 s | 3 steps/s | cpu |" in md
-    assert "| mt-bench-chain-3 | 1.750 | 1.700 | 40 % | 1.500 | 1.200 |" in md and "| broken-chain-3 | ? |" in md
+    assert "| mt-bench-chain-3 | 1.750 | 1.700 | 40 % | 1.500 | 1.250 | 1.200 |" in md and "| broken-chain-3 | ? |" in md
     assert "vllm serve /models/t --speculative-config '{}'" in md  # the export's own line wins
     assert "sglang.launch_server --model-path tiny" in md and "--speculative-num-draft-tokens 4" in md
     assert (run / "acceptance.png").exists()

@@ -51,8 +51,13 @@ def test_eval_cli_on_jsonl(tmp_path, tiny_target, capsys):
     assert len(s["accept_at_position"]) == 2 and "speedup_vs_plain" in s and "speedup_vs_hf" in s
     # 6-token answers hold no 8-token context: every cycle is outside repeats
     assert s["repeat_token_share"] == 0 and s["tau_in_repeats"] is None and s["tau_elsewhere"] >= 1
+    # n-gram lookup with the setting's 2 tokens over the same contexts and tokens (plain decoding's: no mismatch)
+    from eyas.spec.stats import ngram_accepted
+
+    guessed = [a for p in doc["prompts"] for t in p["turns"] for a in ngram_accepted(t["prompt_ids"], t["tokens"], 2)]
+    assert s["ngram_k"] == 2 and s["ngram_tau"] == pytest.approx((sum(guessed) + len(guessed)) / len(guessed))
     printed = capsys.readouterr().out
-    assert "tau" in printed and "speedup" in printed
+    assert "tau" in printed and "speedup" in printed and "n-gram lookup alone (2 tokens a cycle" in printed
     # the file alone is enough to check losslessness: its context ids, decoded plainly, give its tokens
     from eyas.spec.engine import SpecEngine
 
@@ -64,6 +69,7 @@ def test_eval_cli_on_jsonl(tmp_path, tiny_target, capsys):
     entry = summary["results"]["result"]
     assert entry["bench"] == str(bench) and entry["setting"] == "chain-2" and entry["file"] == "result.json"
     assert entry["tau_pooled"] == s["tau_pooled"] and entry["speedup_vs_plain"] == s["speedup_vs_plain"]
+    assert entry["ngram_tau"] == s["ngram_tau"]
     assert entry["wall_s"] > 0 and summary["wall_s"] == entry["wall_s"] and summary["tokens_per_s"] > 0
 
 

@@ -4,7 +4,7 @@ context repeats earlier output."""
 import importlib.util
 from pathlib import Path
 
-from eyas.spec.stats import format_summary, repeat_summary, repeat_split
+from eyas.spec.stats import NgramIndex, format_summary, ngram_accepted, ngram_summary, repeat_summary, repeat_split
 
 _spec = importlib.util.spec_from_file_location("loop_share", Path(__file__).resolve().parents[2] / "bench" / "loop_share.py")
 loop_share = importlib.util.module_from_spec(_spec)
@@ -58,20 +58,36 @@ def test_without_repeats_tau_elsewhere_is_tau_pooled():
     assert got["repeat_token_share"] == 0 and got["tau_elsewhere"] == summarize(stats, 3)["tau_pooled"]
 
 
-def test_the_tree_bench_looks_up_only_what_the_context_holds():
-    """bench/tree_select.py's prompt lookup (--lookups): the tokens after the latest earlier occurrence of the
-    context's last n tokens, the longest n first, never past the pending token (the context's end)."""
+def test_ngram_lookup_guesses_only_from_the_context():
+    """n-gram lookup: the tokens after the latest earlier occurrence of the context's last n tokens, the longest
+    n first, never past the context's end."""
+    seq = [1, 2, 3, 4, 9, 2, 3, 5, 7, 2, 3, 99, 98]
+    # the context seq[:11] ends "7 2 3" (nowhere earlier), then "2 3": latest earlier at 5..6, followed by
+    # 5 7 2 3 and the context's end
+    assert NgramIndex(seq).propose(11, 8) == [5, 7, 2, 3]
+    assert NgramIndex(seq).propose(11, 2) == [5, 7]
+    assert NgramIndex(seq, 3, 3).propose(11, 8) == []
+    assert NgramIndex([4, 5, 6]).propose(3, 4) == []
+    index = NgramIndex(seq)  # growing contexts reuse the index: the same answers as a fresh one
+    assert [index.propose(e, 3) for e in range(1, 14)] == [NgramIndex(seq).propose(e, 3) for e in range(1, 14)]
+
+
+def test_ngram_cycles_accept_what_copying_gives():
+    # the prefill makes 7; the context then ends "5 7", whose "7" the prompt holds followed by 8 9 5: the cycle
+    # accepts 8 9 and the target adds 6; the next context ends "9 6", never seen: nothing to guess
+    prompt, tokens = [7, 8, 9, 5], [7, 8, 9, 6, 1]
+    assert ngram_accepted(prompt, tokens, 3) == [2, 0]
+    # nothing to copy: every cycle accepts none, one token a cycle as plain decoding
+    assert ngram_accepted([1, 2], [3, 4, 5], 4) == [0, 0]
+    s = ngram_summary([{"prompt_ids": prompt}, {"prompt_ids": [1, 2]}], [tokens, [3, 4, 5]], 3)
+    assert s == {"ngram_k": 3, "ngram_tau": (2 + 4) / 4}  # 3 + 1 tokens over 2 cycles, 2 over 2
+
+
+def test_the_tree_bench_merges_a_lookup_chain_into_its_tree():
     spec = importlib.util.spec_from_file_location("tree_select", Path(__file__).resolve().parents[2] / "bench"
                                                   / "tree_select.py")
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
-    seq = [1, 2, 3, 4, 9, 2, 3, 5, 7, 2, 3, 99, 98]
-    # context seq[:11] ends "2 3": latest earlier "2 3" ends at index 6, then 5 7 2 3 (cut at the context's end)
-    assert bench._lookup(seq, 10, 8, 1, 3) == [5, 7, 2, 3]
-    assert bench._lookup(seq, 10, 2, 1, 3) == [5, 7]
-    # with n = 3 alone: the context ends "7 2 3", which occurs nowhere earlier
-    assert bench._lookup(seq, 10, 8, 3, 3) == []
-    assert bench._lookup([4, 5, 6], 2, 4, 1, 3) == []  # nothing earlier matches
-    # the chain shares its first tokens with a proposal's path from the root
+    # the chain shares its first tokens with a proposal's path from the root; those are not added twice
     prop = bench.Proposal([5, 8, 7], [-1, -1, 0], [1, 1, 2])
     assert bench._shared(prop, [5, 7, 2]) == 2 and bench._shared(prop, [6]) == 0
