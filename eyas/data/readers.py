@@ -4,6 +4,12 @@ Every record becomes either a `Conversation` (an id and a list of {role, content
 roles system/user/assistant) or a `Skip` (a reason from REASONS and where it came from, `file:line`).
 Nothing here raises on bad data: a bad record is a Skip, a bad file is one Skip for the file, so that
 `eyas prepare` can report every problem at once and never end in a traceback.
+
+A few common shapes are repaired instead of skipped, each named in the conversation's `edits` (from
+EDITS) and counted in one line once the sources are read: an empty system message (ShareGPT dumps hold
+many) is dropped; a last assistant turn left empty is dropped when regeneration writes it anyway; a last
+user turn that nothing answers is cut, so the turns before it still train. A top-level "system" field
+(LLaMA-Factory's ShareGPT and OpenAI records, and prompt-response ones) is the system prompt.
 """
 
 from __future__ import annotations
@@ -12,6 +18,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Iterator
+
+from eyas.common import print0
 
 # reason -> what the user reads in prepare.json
 REASONS = {
@@ -26,12 +34,19 @@ REASONS = {
     "empty_content": "a message content is empty or whitespace only",
     "two_user_turns": "two user turns in a row",
     "bad_turn_order": "turns do not alternate user/assistant after an optional leading system prompt",
-    "no_assistant_turn": "the conversation does not end with an assistant turn (and nothing regenerates it)",
+    "no_assistant_turn": "no assistant turn to train on (and nothing regenerates one)",
+    "two_system_prompts": "a top-level system field and a system message both; keep one",
     "duplicate_id": "the id was already seen in the input",
     "template_mismatch": "the chat template does not render this conversation as a sequence of prefixes",
     "too_long": "longer than data.max_length tokens (data.on_long=drop)",
     "no_assistant_tokens": "no assistant token in the sample (or none left inside data.max_length after truncation)",
     "regeneration_failed": "the target (or endpoint) produced no response for this prompt",
+}
+# repair -> what the user reads: the record is kept with this change
+EDITS = {
+    "empty_system_dropped": "empty system message dropped",
+    "placeholder_answer_dropped": "empty last answer dropped (regeneration writes it)",
+    "trailing_user_cut": "last user turn without an answer cut",
 }
 
 _ROLE_MAP = {
@@ -48,6 +63,7 @@ class Conversation:
     sample_id: str
     messages: list[dict]  # [{"role": "system"|"user"|"assistant", "content": str}]
     where: str  # file:line (or dataset:index) of the record
+    edits: tuple[str, ...] = ()  # repairs made to the record (EDITS keys), in order
 
 
 @dataclass
@@ -61,6 +77,7 @@ def read_sources(sources: Iterable[str], fmt: str = "auto", need_assistant: bool
     """All records of all sources in order; duplicate ids (across sources too) are skipped."""
     seen: set[str] = set()
     labels: set[str] = set()
+    edits: dict[str, list] = {}  # repair -> [count, first record]
     for k, source in enumerate(sources):
         # records without an id are named `label:line`; two sources with the same file name
         # (a/train.jsonl, b/train.jsonl) get distinct labels so their records do not collide
@@ -74,7 +91,12 @@ def read_sources(sources: Iterable[str], fmt: str = "auto", need_assistant: bool
                     yield Skip("duplicate_id", item.where, item.sample_id)
                     continue
                 seen.add(item.sample_id)
+                for e in item.edits:
+                    edits.setdefault(e, [0, item.where])[0] += 1
             yield item
+    if edits:
+        print0("read with repairs: " + "; ".join(f"{EDITS[e]}: {n} (first at {where})"
+                                                 for e, (n, where) in edits.items()))
 
 
 def _read_one(source: str, stem: str, fmt: str, need_assistant: bool) -> Iterator[Conversation | Skip]:
@@ -199,9 +221,7 @@ def parse_record(record: Any, default_id: str, where: str, fmt: str = "auto",
         messages = [{"role": "user", "content": record.get("prompt")}]
         if "response" in record or "completion" in record:
             messages.append({"role": "assistant", "content": record.get("response", record.get("completion"))})
-        if record.get("system") is not None:  # checked like any content: a non-string is a skip, not dropped
-            messages.insert(0, {"role": "system", "content": record["system"]})
-        return _check(sample_id, messages, where, need_assistant)
+        return _check(sample_id, messages, where, need_assistant, record.get("system"))
     raw = record["conversations"] if kind == "sharegpt" else record["messages"]
     if not isinstance(raw, list):
         return Skip("unknown_format", where, "conversation field is not a list")
@@ -216,7 +236,7 @@ def parse_record(record: Any, default_id: str, where: str, fmt: str = "auto",
         if not isinstance(role, str) or role.lower() not in _ROLE_MAP[kind]:
             return Skip("unknown_role", where, str(role)[:40])
         messages.append({"role": _ROLE_MAP[kind][role.lower()], "content": content})
-    return _check(sample_id, messages, where, need_assistant)
+    return _check(sample_id, messages, where, need_assistant, record.get("system"))
 
 
 def _detect(record: dict) -> str | None:
@@ -229,7 +249,30 @@ def _detect(record: dict) -> str | None:
     return None
 
 
-def _check(sample_id: str, messages: list[dict], where: str, need_assistant: bool) -> Conversation | Skip:
+def _blank(content: Any) -> bool:
+    """None, or only whitespace: a placeholder."""
+    return content is None or isinstance(content, str) and not content.strip()
+
+
+def _check(sample_id: str, messages: list[dict], where: str, need_assistant: bool,
+           system: Any = None) -> Conversation | Skip:
+    """The conversation, repaired (EDITS) where a common shape allows, with the record's top-level `system`
+    field (None or blank: none) as its system prompt; or why it cannot be used."""
+    edits: list[str] = []
+    if messages and messages[0]["role"] == "system" and _blank(messages[0]["content"]):
+        messages = messages[1:]
+        edits.append("empty_system_dropped")
+    if not _blank(system):  # checked like any content: a non-string is a skip, not dropped
+        if messages and messages[0]["role"] == "system":
+            return Skip("two_system_prompts", where, 'drop the record\'s "system" field or its system message')
+        messages = [{"role": "system", "content": system}] + messages
+    roles = [m["role"] for m in messages]
+    if not need_assistant and roles[-1:] == ["assistant"] and _blank(messages[-1]["content"]):
+        messages = messages[:-1]  # a placeholder that the regeneration replaces
+        edits.append("placeholder_answer_dropped")
+    elif need_assistant and roles[-2:] == ["assistant", "user"]:
+        messages = messages[:-1]  # its content is not checked: it is not used
+        edits.append("trailing_user_cut")
     for m in messages:
         if not isinstance(m["content"], str):
             return Skip("non_string_content", where, type(m["content"]).__name__)
@@ -246,4 +289,4 @@ def _check(sample_id: str, messages: list[dict], where: str, need_assistant: boo
             return Skip("bad_turn_order", where, f"turn {i} is {m['role']}, expected {expected}")
     if need_assistant and body[-1]["role"] != "assistant":
         return Skip("no_assistant_turn", where)
-    return Conversation(sample_id, [dict(m) for m in messages], where)
+    return Conversation(sample_id, [dict(m) for m in messages], where, tuple(edits))

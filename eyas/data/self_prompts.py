@@ -8,9 +8,13 @@ Python docstrings, so a draft trained on the target's answers to them sees the k
 will be asked to speculate on.
 
 The opening is found by rendering one user message holding a sentinel and cutting before it, so
-any template (default system prompt included) works. Requests that hit the token limit, are empty
-or repeat an earlier one (case and spacing ignored) are dropped and counted; generation goes on in
-batches until `num_prompts` are kept or twice that many were written.
+any template (default system prompt included) works. Where the user turn ends is found the same way,
+from what the template writes between a user message and the assistant's answer: ChatML's
+`<|im_end|>` is a stop token, but Mistral's `[/INST]` or DeepSeek's `<｜Assistant｜>` are not, and a target
+writing its own request goes on past them to answer it. So the request ends where the target writes
+that end (when it is one added token, generation stops there too), and counts as finished. Requests
+that hit the token limit, are empty or repeat an earlier one (case and spacing ignored) are dropped and
+counted; generation goes on in batches until `num_prompts` are kept or twice that many were written.
 
 Openers steer a share of the requests (`data.self_prompt_openers`, `data.self_prompt_opener_share`): the
 target continues its opening followed by the start of a request, such as "Write a Python function that", and
@@ -38,6 +42,7 @@ from eyas.common import print0, progress
 from eyas.data.regenerate import ResultsFile, generate_batch, read_results
 
 SENTINEL = "\x00eyas-user-message\x00"
+ANSWER = "\x00eyas-assistant-message\x00"
 
 
 def user_turn_opening(template) -> list[int]:
@@ -48,6 +53,46 @@ def user_turn_opening(template) -> list[int]:
         raise ValueError("the chat template does not render the user message's content; self prompts need a "
                          "template that writes user messages verbatim")
     return template.tokenizer(text[:at], add_special_tokens=False)["input_ids"]
+
+
+def user_turn_end(template) -> str:
+    """The first line of what the template writes between a user message's content and the assistant's, stripped
+    ("<|im_end|>" for ChatML, "[/INST]" for Mistral); "" when that is only spacing or the template hides it."""
+    try:
+        text = template.render([{"role": "user", "content": SENTINEL}, {"role": "assistant", "content": ANSWER}])
+    except Exception:  # noqa: BLE001 -- a template may raise (jinja's raise_exception) on any input
+        return ""
+    at, end = text.find(SENTINEL), text.find(ANSWER)
+    if at < 0 or end < at:
+        return ""
+    between = text[at + len(SENTINEL):end].strip()
+    return between.splitlines()[0].strip() if between else ""
+
+
+def _until(tok, tokens: list[int], marker: str) -> tuple[list[int], bool]:
+    """The tokens before the first `marker` in their text (special tokens included), and whether it is there."""
+    at = tok.decode(tokens).find(marker) if marker else -1
+    if at < 0:
+        return tokens, False
+    lo, hi = 0, len(tokens)  # the most tokens whose text ends before the marker begins
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if len(tok.decode(tokens[:mid])) <= at:
+            lo = mid
+        else:
+            hi = mid - 1
+    return tokens[:lo], True
+
+
+def _request(tok, opener: str | None, opener_ids: list[int], tokens: list[int], turn_end: str) -> tuple[str, bool]:
+    """(the written request, whether the target ended its user turn). The continuation is decoded with the
+    opener's ids, since a SentencePiece decoder drops the space that starts the first token it decodes."""
+    tokens, ended = _until(tok, tokens, turn_end)
+    if not opener:
+        return tok.decode(tokens, skip_special_tokens=True), ended
+    text = tok.decode(opener_ids + tokens, skip_special_tokens=True)
+    head = tok.decode(opener_ids, skip_special_tokens=True)  # the opener verbatim, even if it decodes otherwise
+    return (opener + text[len(head):] if text.startswith(head) else text), ended
 
 
 def _key(text: str) -> str:
@@ -128,6 +173,11 @@ def write_self_prompts(target, template, num_prompts: int, out_path: str | Path,
     openers = list(openers or [])
     tok = target.tokenizer
     opener_ids = {o: tok(o, add_special_tokens=False)["input_ids"] for o in openers}
+    turn_end = user_turn_end(template)
+    end_id = tok.get_added_vocab().get(turn_end)  # an added token is never part of a word: stop at it
+    if end_id in template.stop_ids:
+        turn_end = ""  # ChatML's <|im_end|>: generation stops there already
+    stop_ids = template.stop_ids + ([end_id] if turn_end and end_id is not None else [])
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else template.stop_ids[0]
     device = next(target.model.parameters()).device
     max_written = 2 * num_prompts
@@ -146,12 +196,14 @@ def write_self_prompts(target, template, num_prompts: int, out_path: str | Path,
                 generator = torch.Generator(device=device).manual_seed(seed * 1_000_003 + start)
                 starts = tally.plan(rows, openers)
                 results = generate_batch(target.model, [opening + opener_ids.get(o, []) for o in starts],
-                                         max_new_tokens=max_new_tokens, stop_ids=template.stop_ids, pad_id=pad_id,
+                                         max_new_tokens=max_new_tokens, stop_ids=stop_ids, pad_id=pad_id,
                                          temperature=temperature, generator=generator, cuda_graphs=cuda_graphs)
-                batch = [{"id": f"self-{start + i:07d}",
-                          "prompt": (o or "") + tok.decode(r["tokens"], skip_special_tokens=True),
-                          "finish": r["finish"], "num_tokens": len(r["tokens"]), **({"opener": o} if o else {})}
-                         for i, (o, r) in enumerate(zip(starts, results))]
+                batch = []
+                for i, (o, r) in enumerate(zip(starts, results)):
+                    text, ended = _request(tok, o, opener_ids.get(o, []), r["tokens"], turn_end)
+                    batch.append({"id": f"self-{start + i:07d}", "prompt": text,
+                                  "finish": "stop" if ended else r["finish"], "num_tokens": len(r["tokens"]),
+                                  **({"opener": o} if o else {})})
                 sink.append(batch)
                 records += batch
                 num_tokens += sum(r["num_tokens"] for r in batch)

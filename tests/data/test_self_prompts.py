@@ -171,3 +171,89 @@ def test_config_and_input_errors(tmp_path, capsys):
     rc = cli_main(["prepare", "--config", "tiny", "--data", str(src), "--self-prompts", "2", "--out", str(tmp_path / "b")])
     assert rc == 2 and "--regenerate local" in capsys.readouterr().err
     assert not (tmp_path / "b" / "prepare.json").exists()
+
+
+# ---------------------------------------------------------------- templates whose user turn ends in no stop token
+
+MISTRAL = ("{{ bos_token }}{% for m in messages %}{% if m['role'] == 'user' %}{{ '[INST] ' + m['content'] + ' [/INST]' }}"
+           "{% else %}{{ ' ' + m['content'] + eos_token }}{% endif %}{% endfor %}")
+WORDS = "▁Hi ▁there, ▁Tell ▁tell ▁me ▁a ▁joke. ▁[INST] ▁[/INST] ▁Plan ▁trip. ▁Sure, ▁here ▁is ▁plan. ▁Day ▁1:".split()
+
+
+def sentencepiece_like(specials: list[str] = ()):
+    """A word-level tokenizer that marks word starts with ▁ and drops the first one when decoding, as
+    SentencePiece (Llama-2, Mistral) does; `specials` become special tokens (Mistral v3's control tokens)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {w: i for i, w in enumerate(["<unk>", "<s>", "</s>", *WORDS])}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="always")
+    tok.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="always")
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+    if specials:
+        fast.add_special_tokens({"additional_special_tokens": list(specials)})
+    fast.chat_template = MISTRAL
+    return fast
+
+
+def scripted(monkeypatch, tok, texts: list[tuple[str, str]]):
+    """A target whose generation writes the given (text, finish) rows in turn, whatever it is given."""
+    import types
+
+    import torch
+
+    calls = []
+
+    def generate_batch(model, prompts, *, stop_ids, **_):
+        calls.append((prompts, stop_ids))
+        rows = [texts[(len(calls) - 1) * len(prompts) + i] for i in range(len(prompts))]
+        return [{"tokens": tok(t, add_special_tokens=False)["input_ids"], "finish": f} for t, f in rows]
+
+    monkeypatch.setattr("eyas.data.self_prompts.generate_batch", generate_batch)
+    return types.SimpleNamespace(tokenizer=tok, model=torch.nn.Linear(1, 1)), calls
+
+
+@pytest.mark.parametrize("specials", [[], ["[INST]", "[/INST]"]], ids=["inst-as-text", "inst-as-special-tokens"])
+def test_a_request_ends_where_the_template_ends_the_user_turn(monkeypatch, tmp_path, specials):
+    """Mistral's user turn ends in ` [/INST]`, not a stop token: the target writes its request, then ` [/INST]`
+    and an answer. The request is what came before; it counts as finished even if the answer ran to the limit."""
+    tok = sentencepiece_like(specials)
+    target, calls = scripted(monkeypatch, tok, [("Plan a trip. [/INST] Sure, here is a plan.", "stop"),
+                                                ("Tell me a joke. [/INST] Day 1: Day 1: Day 1:", "length"),
+                                                ("Plan a plan.", "stop"), ("Tell me a", "length")])
+    template = ChatTemplate(tok)
+    prompts, summary = write_self_prompts(target, template, 3, tmp_path / "p.jsonl", temperature=1.0,
+                                          max_new_tokens=12, batch_size=4)
+    assert [p["prompt"] for p in prompts] == ["Plan a trip.", "Tell me a joke.", "Plan a plan."]
+    assert summary["dropped"] == {"truncated": 1, "empty": 0, "duplicate": 0}
+    # a [/INST] that is one special token also stops the writing there
+    marker = tok.convert_tokens_to_ids("[/INST]") if specials else None
+    assert (marker in calls[0][1]) == bool(specials)
+
+
+def test_an_opener_keeps_the_space_sentencepiece_drops(monkeypatch, tmp_path):
+    """SentencePiece drops the leading space of the first token it decodes: the continuation of "Hi there," is
+    decoded with the opener, so the request reads "Hi there, tell me a joke." and not "Hi there,tell me ..."."""
+    tok = sentencepiece_like()
+    target, _ = scripted(monkeypatch, tok, [("tell me a joke.", "stop")])
+    prompts, _ = write_self_prompts(target, ChatTemplate(tok), 1, tmp_path / "p.jsonl", temperature=1.0,
+                                    max_new_tokens=8, batch_size=1, openers=["Hi there,"], opener_share=1.0)
+    assert [p["prompt"] for p in prompts] == ["Hi there, tell me a joke."]
+
+
+def test_smollm2_requests_are_unchanged_by_the_turn_end(smollm2):
+    """ChatML's user turn ends in the stop token <|im_end|>: the end of the turn cuts nothing, and a continuation
+    decodes with its opener exactly as opener + continuation (byte-level BPE keeps every space)."""
+    from eyas.data.self_prompts import _request, user_turn_end
+
+    tok = smollm2.tokenizer
+    template = ChatTemplate(tok, stop_token_ids(tok, smollm2.model.generation_config))
+    assert user_turn_end(template) == "<|im_end|>"
+    opener = "Write a Python function that"
+    for text in (" sorts a list.", "\nreturns 2 + 2", " écrit «ça»?", "<|im_start|>assistant\nSure"):
+        ids = tok(text, add_special_tokens=False)["input_ids"]
+        assert _request(tok, None, [], ids, "<|im_end|>") == (tok.decode(ids, skip_special_tokens=True), False)
+        got = _request(tok, opener, tok(opener, add_special_tokens=False)["input_ids"], ids, "<|im_end|>")
+        assert got == (opener + tok.decode(ids, skip_special_tokens=True), False)
+
