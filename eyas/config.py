@@ -9,6 +9,7 @@ field types; errors are one line that names the key and lists the valid ones.
 from __future__ import annotations
 
 import dataclasses
+import json
 import re
 import types
 import typing
@@ -67,6 +68,11 @@ class TargetConfig:
                 raise ConfigError(f"target.aux_layers={ids}: ids must be distinct and ascending")
 
 
+# apply_chat_template's own arguments: data.chat_template_kwargs must not set them
+_RENDER_ARGUMENTS = ("conversation", "messages", "tokenize", "add_generation_prompt", "continue_final_message",
+                     "chat_template", "return_dict", "return_tensors")
+
+
 @dataclass
 class DataConfig:
     # input files (JSONL/JSON/Parquet) or HF dataset names; empty = the built-in prompt corpus
@@ -99,6 +105,9 @@ class DataConfig:
     # extra end-of-turn tokens, besides the tokenizer's eos and the generation config's eos ids:
     # they end a regenerated response and close the assistant's loss-mask span
     stop_tokens: list[str] = field(default_factory=list)
+    # extra variables for the target's chat template, in every render and in each request of endpoint
+    # regeneration, e.g. {enable_thinking: false} to match a Qwen3 deployment that does not think
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
     draft_vocab: int = 32000
     seed: int = 0
 
@@ -132,6 +141,15 @@ class DataConfig:
         _at_least("data.regen_threads", self.regen_threads, 0, " (0 = torch's default)")
         if any(not t for t in self.stop_tokens):
             raise ConfigError(f"data.stop_tokens={self.stop_tokens!r} holds an empty token")
+        try:  # it goes into the regeneration settings' hash and into each request's JSON body
+            json.dumps(self.chat_template_kwargs)
+        except TypeError as e:
+            raise ConfigError(f"data.chat_template_kwargs={self.chat_template_kwargs!r}: {e}; give JSON values "
+                              f"(strings, numbers, true/false, lists, mappings)") from None
+        taken = sorted(set(self.chat_template_kwargs) & set(_RENDER_ARGUMENTS))
+        if taken:
+            raise ConfigError(f"data.chat_template_kwargs sets {', '.join(taken)}, which eyas sets itself; give "
+                              f"only the template's own variables, such as enable_thinking")
 
 
 # the hidden-state store's dtypes (eyas/store/codec.py PARTS says what each stores in which dtype)
@@ -394,6 +412,20 @@ def _coerce(key: str, value: Any, tp: Any) -> Any:
         if not isinstance(value, (list, tuple)):
             raise ConfigError(f"{key}: expected a list, got {value!r}")
         return [_coerce(key, v, item) for v in value]
+    if origin is dict:  # a mapping from YAML, or its flow form from the command line: "{enable_thinking: false}"
+        if isinstance(value, str):
+            import yaml
+
+            try:
+                value = yaml.safe_load(value)
+            except yaml.YAMLError as e:
+                raise ConfigError(f"{key}: cannot read {value!r} as a mapping ({str(e).splitlines()[0]})") from None
+        if value is None:  # an empty value
+            return {}
+        if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
+            raise ConfigError(f"{key}: expected a mapping of names to values, e.g. {{enable_thinking: false}}, "
+                              f"got {value!r}")
+        return dict(value)
     if tp is bool:
         if isinstance(value, bool):
             return value

@@ -164,7 +164,8 @@ def config_values(stage: Stage, cfg: RunConfig) -> dict:
 
 # fields added to config sections since the last eyas that recorded only a config hash in stages.json: its
 # records match the hash of today's values without them (at their defaults). A new field goes here too
-ADDED_SINCE_HASH_ONLY_RECORDS = ("data.self_prompt_openers", "data.self_prompt_opener_share", "train.init_from")
+ADDED_SINCE_HASH_ONLY_RECORDS = ("data.self_prompt_openers", "data.self_prompt_opener_share", "train.init_from",
+                                 "data.chat_template_kwargs")
 
 
 def _defaults(cfg: RunConfig, section: str) -> dict:

@@ -161,7 +161,8 @@ def run_benches(cfg, engine, target, info: dict, settings, draft: str, result_pa
                                                extra_settings={"draft": draft, "aux_layers": info["aux"],
                                                                "cuda_graphs": engine.static,
                                                                "compile_draft": engine.compile_draft,
-                                                               "draft_weights": info["meta"].get("weights_stamp")})
+                                                               "draft_weights": info["meta"].get("weights_stamp")},
+                                               chat_template_kwargs=cfg.data.chat_template_kwargs)
         started = update_summary(bench, results[bench_name(bench)], paths, cfg, draft, started)
         if report:
             print0(f"results: {', '.join(str(p[0]) for p in paths.values())}; "

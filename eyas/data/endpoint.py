@@ -64,7 +64,8 @@ def served_model(url: str, timeout: float = 10.0) -> str:
 def regenerate_endpoint(url: str, prompts: list[dict], out_path: str | Path, *, max_new_tokens: int,
                         temperature: float = 0.0, concurrency: int = 8, timeout_s: float = 120.0,
                         retries: int = 3, backoff_s: float = 1.0, model: str | None = None,
-                        stop_token_ids: list[int] | None = None) -> dict[str, dict]:
+                        stop_token_ids: list[int] | None = None,
+                        chat_template_kwargs: dict | None = None) -> dict[str, dict]:
     """Ask the server for a response to each {id, messages} not yet in `out_path`; returns all results.
 
     A prompt that still fails after the retries gets no line (a rerun tries it again) and is
@@ -81,6 +82,8 @@ def regenerate_endpoint(url: str, prompts: list[dict], out_path: str | Path, *, 
         body = {"model": model, "messages": p["messages"], "max_tokens": max_new_tokens, "temperature": temperature}
         if stop_token_ids:  # vLLM and SGLang extension: extra ids that end the response
             body["stop_token_ids"] = list(stop_token_ids)
+        if chat_template_kwargs:  # vLLM and SGLang extension: variables for the server's chat template
+            body["chat_template_kwargs"] = dict(chat_template_kwargs)
         answer, err = _with_retries(lambda: _request(endpoint, body, timeout_s), retries, backoff_s)
         if err:
             return p, None, err
@@ -91,6 +94,12 @@ def regenerate_endpoint(url: str, prompts: list[dict], out_path: str | Path, *, 
                 raise TypeError
         except (KeyError, IndexError, TypeError):
             return p, None, "bad response (no choices[0].message.content)"
+        message = choice["message"]
+        if any(isinstance(message.get(k), str) and message[k] for k in ("reasoning_content", "reasoning")):
+            # the draft must learn the whole text the target writes, its reasoning included
+            return p, None, ("the server returned the model's reasoning apart from its answer (a reasoning parser "
+                             "is on); serve the target without --reasoning-parser so that the answer holds all "
+                             "it wrote")
         usage = answer.get("usage") or {}
         return p, {"id": p["id"], "prompt_sha": prompt_sha(p["messages"]), "response": text,
                    "num_prompt_tokens": usage.get("prompt_tokens"),

@@ -19,11 +19,19 @@ from pathlib import Path
 
 from eyas.common import EyasError, atomic_write_json, print0, sha256_json
 from eyas.config import RunConfig
-from eyas.data.readers import REASONS, Conversation, Skip, read_sources
+from eyas.data.readers import EDITS, REASONS, Conversation, Skip, read_sources
 from eyas.data.regenerate import answers, pending, read_results, repetition
-from eyas.data.template import ChatTemplate, TemplateMismatch, stop_token_ids
+from eyas.data.template import ChatTemplate, ResponseRewritten, TemplateMismatch, stop_token_ids
 
 CHUNK = 512  # conversations per batched tokenizer call
+# skip reasons of the tokenizing step, besides those of the readers
+TOKENIZE_REASONS = {
+    "template_rewrites_response": "the chat template does not render the regenerated response as the target wrote "
+                                  "it (e.g. it adds or drops a <think> block); set data.chat_template_kwargs as the "
+                                  "responses were generated (e.g. {enable_thinking: false} for a server that does "
+                                  "not think), or give the target a template that renders its responses verbatim",
+}
+SKIP_REASONS = {**REASONS, **TOKENIZE_REASONS}
 
 
 class _Report:
@@ -35,7 +43,7 @@ class _Report:
         self.details: dict[str, str] = {}
 
     def skip(self, reason: str, where: str, detail: str = "") -> None:
-        assert reason in REASONS, reason
+        assert reason in SKIP_REASONS, reason
         self.counts[reason] += 1
         if reason not in self.first:
             self.first[reason] = where
@@ -67,13 +75,16 @@ def _strict_check(cfg: RunConfig, report: _Report) -> None:
 def _load_conversations(cfg: RunConfig, report: _Report) -> tuple[list[Conversation], dict]:
     dc = cfg.data
     if dc.data:
-        convs = []
+        convs, repaired = [], Counter()
         for item in read_sources(dc.data, dc.format, need_assistant=dc.regenerate is None):
             if isinstance(item, Skip):
                 report.skip(item.reason, item.where, item.detail)
             else:
                 convs.append(item)
-        return convs, {"kind": "files", "paths": list(dc.data), "format": dc.format}
+                repaired.update(item.edits)
+        # records kept with a repair (readers.EDITS): counted, so that none goes unnoticed
+        return convs, {"kind": "files", "paths": list(dc.data), "format": dc.format,
+                       "repaired": {EDITS[e]: n for e, n in sorted(repaired.items())}}
     from eyas.data.corpus import default_prompts
 
     if not dc.regenerate:
@@ -94,10 +105,12 @@ def _load_conversations(cfg: RunConfig, report: _Report) -> tuple[list[Conversat
 
 def _results_file(out: Path, prefix: str, cfg: RunConfig, template: ChatTemplate, settings: dict) -> tuple[dict, Path]:
     """(settings, OUT/PREFIX-<settings hash>.jsonl): the append-only results file of a generation with these
-    settings, which a rerun with the same settings resumes. Extra stop tokens join the settings only when
-    set, so that results files of earlier runs keep their names."""
+    settings, which a rerun with the same settings resumes. Extra stop tokens and chat template variables
+    join the settings only when set, so that results files of earlier runs keep their names."""
     if cfg.data.stop_tokens:
         settings = {**settings, "stop_ids": template.stop_ids}
+    if cfg.data.chat_template_kwargs:
+        settings = {**settings, "chat_template_kwargs": cfg.data.chat_template_kwargs}
     return settings, out / f"{prefix}-{sha256_json(settings)[:12]}.jsonl"
 
 
@@ -159,7 +172,8 @@ def _regenerate(cfg: RunConfig, target, template: ChatTemplate, convs: list[Conv
         results = regenerate_endpoint(dc.regenerate, prompts, path, max_new_tokens=dc.regen_max_new_tokens,
                                       temperature=dc.regen_temperature, concurrency=dc.regen_concurrency,
                                       timeout_s=dc.regen_timeout_s, retries=dc.regen_retries,
-                                      stop_token_ids=template.stop_ids if dc.stop_tokens else None)
+                                      stop_token_ids=template.stop_ids if dc.stop_tokens else None,
+                                      chat_template_kwargs=dc.chat_template_kwargs or None)
     seconds = time.perf_counter() - t0
     kept = []
     for c, p in zip(convs, prompts):
@@ -183,12 +197,18 @@ def _regenerate(cfg: RunConfig, target, template: ChatTemplate, convs: list[Conv
 
 
 def _tokenize(cfg: RunConfig, template: ChatTemplate, convs: list[Conversation], report: _Report) -> tuple[dict, dict]:
+    """Ids and masks of the conversations; with regeneration their last assistant turn is the target's own
+    response, which the template must render as written."""
     max_len, truncate = cfg.data.max_length, cfg.data.on_long == "truncate"
+    regenerated = cfg.data.regenerate is not None
     cols = {"sample_id": [], "input_ids": [], "loss_mask": []}
-    num_truncated = num_tokens = num_masked = 0
+    num_truncated = num_tokens = num_masked = num_unmasked_turns = 0
     for start in range(0, len(convs), CHUNK):
         chunk = convs[start:start + CHUNK]
-        for c, tok in zip(chunk, template.tokenize_many([c.messages for c in chunk])):
+        for c, tok in zip(chunk, template.tokenize_many([c.messages for c in chunk], verbatim_last=regenerated)):
+            if isinstance(tok, ResponseRewritten):
+                report.skip("template_rewrites_response", c.where, str(tok)[:200])
+                continue
             if isinstance(tok, TemplateMismatch):
                 report.skip("template_mismatch", c.where, str(tok)[:200])
                 continue
@@ -210,9 +230,15 @@ def _tokenize(cfg: RunConfig, template: ChatTemplate, convs: list[Conversation],
             cols["loss_mask"].append(mask)
             num_tokens += len(ids)
             num_masked += sum(mask)
+            num_unmasked_turns += tok.num_unmasked_turns
+    if num_unmasked_turns:
+        print0(f"{num_unmasked_turns} earlier assistant turn(s) stay out of the loss: the chat template renders them "
+               f"differently once later turns follow (Qwen3 drops their reasoning)")
     policy = {"max_length": max_len, "on_long": cfg.data.on_long, "num_truncated": num_truncated,
               "num_dropped_too_long": report.counts.get("too_long", 0)}
-    return cols, {"length_policy": policy, "num_tokens": num_tokens, "num_loss_tokens": num_masked}
+    # num_unmasked_turns: earlier assistant turns of kept samples that are context only
+    return cols, {"length_policy": policy, "num_tokens": num_tokens, "num_loss_tokens": num_masked,
+                  "num_unmasked_turns": num_unmasked_turns}
 
 
 def _write_dataset(cols: dict, out: Path) -> None:
@@ -252,7 +278,7 @@ def prepare(cfg: RunConfig, out_dir: str | Path, target) -> dict:
     stop_ids = stop_token_ids(tok, getattr(target.model, "generation_config", None))
     stop_ids += [i for i in _extra_stop_ids(tok, cfg.data.stop_tokens) if i not in stop_ids]
     try:
-        template = ChatTemplate(tok, stop_ids)
+        template = ChatTemplate(tok, stop_ids, cfg.data.chat_template_kwargs)
     except ValueError as e:
         raise EyasError(str(e)) from None
     report = _Report()
@@ -295,7 +321,7 @@ def prepare(cfg: RunConfig, out_dir: str | Path, target) -> dict:
         "num_dropped": sum(report.counts.values()),
         "dropped": dict(sorted(report.counts.items())),
         "first_at": dict(sorted(report.first.items())),
-        "reasons": {r: REASONS[r] for r in sorted(report.counts)},
+        "reasons": {r: SKIP_REASONS[r] for r in sorted(report.counts)},
         **token_stats,
         "regeneration": regen,
         "vocab": vocab_meta,

@@ -79,10 +79,12 @@ def _user_turns(rec: dict, where: str) -> list[str]:
     return turns
 
 
-def encode_turn(tokenizer, history: list[dict]) -> list[int]:
-    """Token ids of a conversation ending with a user turn, ready for the assistant's answer."""
+def encode_turn(tokenizer, history: list[dict], chat_template_kwargs: dict | None = None) -> list[int]:
+    """Token ids of a conversation ending with a user turn, ready for the assistant's answer;
+    `chat_template_kwargs`: the template's variables (data.chat_template_kwargs, as the data was prepared)."""
     if getattr(tokenizer, "chat_template", None):
-        ids = tokenizer.apply_chat_template(history, add_generation_prompt=True, tokenize=True)
+        ids = tokenizer.apply_chat_template(history, add_generation_prompt=True, tokenize=True,
+                                            **(chat_template_kwargs or {}))
         return list(ids if isinstance(ids, list) else ids["input_ids"])
     text = "\n\n".join(m["content"] for m in history) + "\n\n"
     return tokenizer(text)["input_ids"]
@@ -130,7 +132,8 @@ class RequestJournal:
 
 def run_spec(engine: SpecEngine, tokenizer, requests: list[dict], setting: dict, temperature: float,
              max_new_tokens: int, eos: list[int], seed: int = 0, desc: str = "",
-             journal: RequestJournal | None = None) -> tuple[list[dict], list[dict]]:
+             journal: RequestJournal | None = None,
+             chat_template_kwargs: dict | None = None) -> tuple[list[dict], list[dict]]:
     """-> (per-request records for the JSON, per-request stats for `summarize`); requests already in
     `journal` are taken from it, new ones are added to it as they finish."""
     gen = _generator(engine, seed)
@@ -147,7 +150,7 @@ def run_spec(engine: SpecEngine, tokenizer, requests: list[dict], setting: dict,
         st = {"accepted": [], "num_tokens": 0, "draft_s": 0.0, "verify_s": 0.0, "prefill_s": 0.0, "total_s": 0.0}
         for text in req["turns"]:
             history.append({"role": "user", "content": text})
-            ids = encode_turn(tokenizer, history)
+            ids = encode_turn(tokenizer, history, chat_template_kwargs)
             res = engine.generate(ids, max_new_tokens, temperature=temperature, eos_token_ids=eos, generator=gen,
                                   **setting)
             answer = tokenizer.decode(res.tokens, skip_special_tokens=True)
@@ -202,10 +205,11 @@ def run_baselines(engine: SpecEngine, model, records: list[dict], temperature: f
     return out
 
 
-def warm_up(engine: SpecEngine, model, tokenizer, settings, eos, hf: bool) -> None:
+def warm_up(engine: SpecEngine, model, tokenizer, settings, eos, hf: bool,
+            chat_template_kwargs: dict | None = None) -> None:
     import torch
 
-    ids = encode_turn(tokenizer, [{"role": "user", "content": "Say hello."}])
+    ids = encode_turn(tokenizer, [{"role": "user", "content": "Say hello."}], chat_template_kwargs)
     for _, setting in settings:
         engine.generate(ids, 8, eos_token_ids=eos, **setting)
     engine.plain_generate(ids, 8, eos_token_ids=eos)
@@ -216,15 +220,17 @@ def warm_up(engine: SpecEngine, model, tokenizer, settings, eos, hf: bool) -> No
 
 
 def bench_one(engine, target, bench: str, settings, temperature: float, max_new_tokens: int, limit: int,
-              out_paths: dict, hf: bool = True, extra_settings: dict | None = None) -> dict:
+              out_paths: dict, hf: bool = True, extra_settings: dict | None = None,
+              chat_template_kwargs: dict | None = None) -> dict:
     """Run every setting on one benchmark; write JSON and PNG per setting. -> {setting: summary}; each
-    summary's `wall_s` covers that setting (the first one also pays for the baselines it runs)."""
+    summary's `wall_s` covers that setting (the first one also pays for the baselines it runs).
+    `chat_template_kwargs` render the prompts as the data was prepared (data.chat_template_kwargs)."""
     from eyas.data.template import stop_token_ids
 
     tok = target.tokenizer
     eos = stop_token_ids(tok, getattr(target.model, "generation_config", None))
     requests = load_bench(bench, limit)
-    warm_up(engine, target.model, tok, settings, eos, hf)
+    warm_up(engine, target.model, tok, settings, eos, hf, chat_template_kwargs)
     baseline, summaries = None, {}
     for name, setting in settings:
         started = time.perf_counter()
@@ -236,12 +242,14 @@ def bench_one(engine, target, bench: str, settings, temperature: float, max_new_
                         # how this setting was decoded (part of the journal's key: requests decoded another way
                         # are not mixed in); greedy trees were eager before they were graphed
                         "decoding": "cuda-graphs" if engine.static and temperature == 0 else "eager",
-                        "host": platform.node(), **(extra_settings or {})}
+                        "host": platform.node(), **(extra_settings or {}),
+                        **({"chat_template_kwargs": chat_template_kwargs} if chat_template_kwargs else {})}
         json_path, png_path = out_paths[(bench, name)]
         journal = RequestJournal(json_path.with_name(json_path.stem + ".requests.jsonl"),
                                  sha256_json({k: v for k, v in run_settings.items() if k != "host"})[:16])
         records, stats = run_spec(engine, tok, requests, setting, temperature, max_new_tokens, eos,
-                                  desc=f"{bench_name(bench)} {name}", journal=journal)
+                                  desc=f"{bench_name(bench)} {name}", journal=journal,
+                                  chat_template_kwargs=chat_template_kwargs)
         if baseline is None:
             baseline = run_baselines(engine, target.model, records, temperature, max_new_tokens, eos, hf=hf,
                                      pad_id=tok.pad_token_id)

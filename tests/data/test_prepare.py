@@ -202,6 +202,19 @@ def test_more_bad_input_kinds(tmp_path):
     assert make_tiny_tokenizer().decode(ds[0]["input_ids"]).startswith("<|im_start|>system\nHi.<|im_end|>")
 
 
+def test_repaired_records_are_counted_in_prepare_json(tmp_path):
+    records = [{"id": "e", "conversations": [{"from": "system", "value": ""}, {"from": "human", "value": "Hi"},
+                                             {"from": "gpt", "value": "Hello!"}]},
+               {"id": "t", "messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Yo"},
+                                        {"role": "user", "content": "and?"}]}]
+    (tmp_path / "a.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    out = tmp_path / "out"
+    assert cli_main(["prepare", "--config", "tiny", "--data", str(tmp_path / "a.jsonl"), "--out", str(out)]) == 0
+    s = json.loads((out / "prepare.json").read_text())
+    assert s["num_kept"] == 2 and s["dropped"] == {}
+    assert s["source"]["repaired"] == {"empty system message dropped": 1, "last user turn without an answer cut": 1}
+
+
 def test_records_without_ids_in_same_named_files_do_not_collide(tmp_path):
     for d, text in (("x", "first"), ("y", "second")):
         (tmp_path / d).mkdir()

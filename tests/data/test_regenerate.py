@@ -9,9 +9,11 @@ import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+import pytest
 import torch
 from torch.testing import assert_close
 
+from eyas.common import EyasError
 from eyas.data.endpoint import regenerate_endpoint
 from eyas.data.regenerate import (SLOT_MEMORY_SHARE, generate_batch, generate_stream, grouped_decode_sdpa,
                                   length_segments, read_results, regenerate_local, slot_bytes)
@@ -171,10 +173,6 @@ def test_slots_are_cut_to_what_free_memory_holds_and_none_fitting_is_a_clear_err
     """A batch size counted in rows must not end in an out-of-memory crash: with `free_bytes` (on CUDA, the
     device's free memory) the slots are fewer than asked when that many would not fit, with a warning, and
     the answers are the same; when not even one fits, the error names the settings to lower."""
-    import pytest
-
-    from eyas.common import EyasError
-
     model, tok = tiny_target.model, tiny_target.tokenizer
     ct = ChatTemplate(tok)
     pool = [ct.prompt_ids(p["messages"]) for p in PROMPTS[:8]]
@@ -326,10 +324,6 @@ def test_endpoint_regeneration_against_a_local_smollm2_server(tmp_path, smollm2)
 
 
 def test_endpoint_unreachable_is_a_one_line_user_error(tmp_path):
-    import pytest
-
-    from eyas.common import EyasError
-
     with pytest.raises(EyasError, match="cannot reach"):
         regenerate_endpoint("http://127.0.0.1:9", PROMPTS[:1], tmp_path / "r.jsonl", max_new_tokens=4)
 
@@ -353,7 +347,7 @@ def test_a_changed_prompt_under_the_same_id_is_generated_again(tmp_path, tiny_ta
 class _SlowServer:
     """Canned answers; the first request sleeps past the client's timeout. Records requests in flight."""
 
-    def __init__(self, sleep_first_s: float, work_s: float = 0.05):
+    def __init__(self, sleep_first_s: float, work_s: float = 0.05, reasoning: str = ""):
         self.lock, self.in_flight, self.max_in_flight, self.bodies = threading.Lock(), 0, 0, []
         self.sleep_first = sleep_first_s
         server = self
@@ -385,8 +379,11 @@ class _SlowServer:
                 with server.lock:
                     server.in_flight -= live
                 try:
-                    self._send({"choices": [{"message": {"content": "answer to " + body["messages"][-1]["content"]},
-                                             "finish_reason": "stop"}], "usage": {"completion_tokens": 3}})
+                    message = {"content": "answer to " + body["messages"][-1]["content"]}
+                    if reasoning:  # a server with a reasoning parser returns the reasoning apart
+                        message["reasoning_content"] = reasoning
+                    self._send({"choices": [{"message": message, "finish_reason": "stop"}],
+                                "usage": {"completion_tokens": 3}})
                 except (BrokenPipeError, ConnectionResetError):
                     pass  # the client gave up on this request (timeout)
 
@@ -413,6 +410,18 @@ def test_endpoint_timeout_is_retried_and_concurrency_is_bounded(tmp_path):
     assert len(server.bodies) == 11  # one request timed out and was sent again
     assert 1 < server.max_in_flight <= 3
     assert all(b["stop_token_ids"] == [7, 9] for b in server.bodies)
+
+
+def test_an_answer_without_its_reasoning_is_refused(tmp_path):
+    """A server with a reasoning parser returns the reasoning apart: the answer alone is not what the target
+    wrote, so no result is kept and the error says what to change."""
+    server = _SlowServer(sleep_first_s=0.0, work_s=0.0, reasoning="Let me think.")
+    try:
+        with pytest.raises(EyasError, match="without --reasoning-parser"):
+            regenerate_endpoint(server.url, PROMPTS[:2], tmp_path / "r.jsonl", max_new_tokens=4, retries=0)
+    finally:
+        server.close()
+    assert not (tmp_path / "r.jsonl").exists() or not (tmp_path / "r.jsonl").read_text().strip()
 
 
 def test_results_written_before_prompt_hashes_still_resume(tmp_path, tiny_target):

@@ -260,3 +260,18 @@ def test_an_interrupted_eval_keeps_its_requests_and_a_rerun_decodes_only_the_res
     calls.clear()
     evaluate(load_config("tiny", sets + ["eval.max_new_tokens=4"]), step, tmp_path / "eval", target=tiny_target)
     assert len(calls) == 1 + 4
+
+
+def test_eval_prompts_take_the_data_template_variables():
+    """data.chat_template_kwargs (e.g. enable_thinking false for Qwen3) reach the eval's prompts too, so that the
+    draft is measured on the prompts it was trained for."""
+    from eyas.spec.bench import encode_turn
+    from eyas.target.tiny import make_tiny_tokenizer
+
+    tok = make_tiny_tokenizer()
+    tok.chat_template = ("{% for m in messages %}{{ m['role'] + ': ' + m['content'] + '\n' }}{% endfor %}"
+                         "{% if add_generation_prompt %}{{ 'assistant:' }}"
+                         "{% if enable_thinking is defined and not enable_thinking %}{{ ' quiet' }}{% endif %}{% endif %}")
+    history = [{"role": "user", "content": "hi"}]
+    plain, quiet = encode_turn(tok, history), encode_turn(tok, history, {"enable_thinking": False})
+    assert tok.decode(quiet).endswith("quiet") and not tok.decode(plain).endswith("quiet")
