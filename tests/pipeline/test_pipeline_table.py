@@ -74,7 +74,7 @@ def test_a_key_added_to_eyas_later_does_not_rerun_a_stage(tmp_path, capsys):
     change, another value is. Records of an eyas that kept no values match their hash without the keys added
     since. Nothing reruns and no output is removed unless a value really changed."""
     from eyas.common import sha256_json
-    from eyas.pipeline import config_values
+    from eyas.pipeline import ADDED_SINCE_HASH_ONLY_RECORDS, config_values
 
     cfg = load_config("tiny")
     run, record, stages = tmp_path / "run", tmp_path / "record.jsonl", chain(tmp_path)
@@ -99,8 +99,9 @@ def test_a_key_added_to_eyas_later_does_not_rerun_a_stage(tmp_path, capsys):
 
     def no_values(st):  # an eyas that kept no values: the hash of the data section without the added keys
         del st["a"]["config_values"]
-        data = {k: v for k, v in config_values(stages[0], cfg)["data"].items()
-                if k not in ("self_prompt_openers", "self_prompt_opener_share")}
+        added = [key.partition(".")[2] for key in ADDED_SINCE_HASH_ONLY_RECORDS if key.startswith("data.")]
+        assert "chat_template_kwargs" in added  # every field added since: that eyas knew none of them
+        data = {k: v for k, v in config_values(stages[0], cfg)["data"].items() if k not in added}
         st["a"]["parts"]["config"] = sha256_json({"data": data})
 
     assert rerun_with(no_values) == {"a": 1, "b": 1, "c": 1} and (run / "a").exists()
