@@ -30,15 +30,17 @@ def main(args) -> int:
     print(f"{args.store}: {report['num_shards']} shards, {report['num_samples']:,} samples, "
           f"{report['num_tokens']:,} tokens, {report['dtype']}, {'complete' if report['complete'] else 'INCOMPLETE'}")
     if report["layers"]:
-        worst: dict[str, tuple[float, float]] = {}
+        worst: dict[str, tuple[float, float, float]] = {}
         for row in report["layers"]:
-            a, r = worst.get(row["layer"], (0.0, 0.0))
-            worst[row["layer"]] = (max(a, row["max_abs"]), max(r, row["rel"]))
+            a, r, t = worst.get(row["layer"], (0.0, 0.0, 0.0))
+            # max() keeps a NaN only when it comes first: a NaN row is named among the problems anyway
+            worst[row["layer"]] = (max(a, row["max_abs"]), max(r, row["rel"]), max(t, row["per_token"]))
         samples = len({row["sample"] for row in report["layers"]})
-        print(f"recomputed {samples} sample(s); worst error per layer:")
-        print(f"  {'layer':<10} {'max abs':>10} {'relative':>10}")
-        for layer, (a, r) in worst.items():
-            print(f"  {layer:<10} {a:>10.3e} {r:>10.3e}")
+        print(f"recomputed {samples} sample(s); worst error per layer (per token: the median over a sample's tokens "
+              f"of error norm / state norm):")
+        print(f"  {'layer':<10} {'max abs':>10} {'relative':>10} {'per token':>10}")
+        for layer, (a, r, t) in worst.items():
+            print(f"  {layer:<10} {a:>10.3e} {r:>10.3e} {t:>10.3e}")
     for line in report["problems"]:
         print(f"MISMATCH: {line}")
     print("OK" if not report["problems"] else f"FAILED: {len(report['problems'])} problem(s)")

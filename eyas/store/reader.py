@@ -74,7 +74,15 @@ class StoreReader:
             path = self.path / self.shards[pos]["file"]
             if not path.is_file():
                 raise EyasError(f"{path} is named in the manifest but missing; run `eyas verify {self.path}`")
-            self._open[pos] = _Shard(path)
+            want, size = self.shards[pos].get("bytes"), path.stat().st_size  # cheap; the checksums are verify's
+            if want is not None and size != want:
+                raise EyasError(f"{path} holds {size:,} bytes, the manifest says {want:,}: the file was cut or "
+                                f"replaced; run `eyas verify {self.path}`, and capture again if it fails")
+            try:
+                self._open[pos] = _Shard(path)
+            except Exception as e:  # noqa: BLE001 -- safetensors' own errors do not name the file
+                raise EyasError(f"{path}: not a readable shard ({type(e).__name__}: {e}); run "
+                                f"`eyas verify {self.path}`") from None
         return self._open[pos]
 
     def __getitem__(self, i: int) -> dict:

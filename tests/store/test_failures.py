@@ -162,3 +162,18 @@ def test_summary_json(tmp_path, prepared, tiny_target):
     assert on_disk["dtype"] == "bf16" and on_disk["tokens_per_s"] > 0 and 512 < on_disk["bytes_per_token"] < 560
     again = capture(tiny_cfg(shard_tokens=200, token_budget=128, dtype="bf16"), prepared, store, target=tiny_target)
     assert again["tokens"] == 0 and json.loads((store / "summary.json").read_text()) == on_disk  # kept
+
+
+def test_a_cut_or_garbled_shard_is_named_by_the_reader(tmp_path, prepared, tiny_target):
+    """Training reads shards without hashing them: a file cut short, or one of the right size that is not a
+    shard, must still be a clear error naming the file, not safetensors' own message."""
+    store = tmp_path / "store"
+    capture(tiny_cfg(shard_tokens=200, token_budget=256), prepared, store, target=tiny_target)
+    first = store / StoreReader(store).shards[0]["file"]
+    data = first.read_bytes()
+    first.write_bytes(data[:len(data) // 2])
+    with pytest.raises(EyasError, match=f"{first.name} holds .* bytes, the manifest says"):
+        StoreReader(store)[0]
+    first.write_bytes(b"\xff" * len(data))  # the right size, no header a safetensors reader can parse
+    with pytest.raises(EyasError, match=f"{first.name}: not a readable shard"):
+        StoreReader(store)[0]

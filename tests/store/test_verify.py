@@ -61,6 +61,50 @@ def test_verify_recomputation_catches_wrong_states(tmp_path, prepared, tiny_targ
     assert "aux 1: relative" not in out and "final: relative" not in out
 
 
+def _rewrite_states(store, edit):
+    """Apply edit(tensors) to every shard and update the checksums, as a capture that stored them would."""
+    manifest = json.loads((store / "manifest.json").read_text())
+    for rec in manifest["shards"]:
+        path = store / rec["file"]
+        tensors = load_file(path)
+        with safe_open(str(path), "pt") as f:
+            meta = f.metadata()
+        edit(tensors)
+        save_file(tensors, str(path), metadata=meta)
+        rec["sha256"], rec["bytes"] = sha256_file(path), path.stat().st_size
+    (store / "manifest.json").write_text(json.dumps(manifest))
+    return manifest
+
+
+def test_verify_fails_on_nan_states(tmp_path, prepared, tiny_target, capsys):
+    store = _store(tmp_path, prepared, tiny_target)
+
+    def nan(tensors):
+        tensors["final_hidden"][3, 5] = float("nan")
+
+    _rewrite_states(store, nan)
+    assert main(["verify", str(store), "--samples", "100"]) == 1
+    out = capsys.readouterr().out
+    assert "final: NaN or inf" in out and "FAILED" in out
+
+
+def test_verify_catches_another_layers_states(tmp_path, prepared, tiny_target, capsys):
+    """The states of another layer are close by the largest value (a few huge activations set it) but not token
+    by token: the per-token check names them."""
+    store = _store(tmp_path, prepared, tiny_target)
+    manifest = json.loads((store / "manifest.json").read_text())
+    h, layers = manifest["hidden_size"], manifest["aux_layers"]
+
+    def final_as_last_aux(tensors):  # the final norm's input stored as its output: a layer off by one step
+        last = tensors["aux_hidden"][:, (len(layers) - 1) * h:]
+        tensors["aux_hidden"][:, (len(layers) - 1) * h:] = last * 1.0005 + tensors["final_hidden"].to(last.dtype)
+
+    _rewrite_states(store, final_as_last_aux)
+    assert main(["verify", str(store), "--samples", "2"]) == 1
+    out = capsys.readouterr().out
+    assert f"aux {layers[-1]}: each token's state differs" in out or f"aux {layers[-1]}: relative error" in out
+
+
 def test_capture_command_flags_then_verify(tmp_path, prepared, capsys):
     store = tmp_path / "cli"
     argv = ["capture", "--config", "tiny", "--device", "cpu", "--data", str(prepared), "--out", str(store),
