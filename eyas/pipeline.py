@@ -26,6 +26,8 @@ from eyas.config import RunConfig
 from eyas.gpu import nvml, procs
 
 POLL_S = 0.1
+# a tailing stage's record of the output it tails while that still grows (see Runner.decide)
+GROWING = "growing"
 
 
 @dataclass(frozen=True)
@@ -286,7 +288,10 @@ class Runner:
         self._save_records()
 
     def log(self, msg: str) -> None:
-        print(f"eyas run: {msg}", flush=True)
+        try:
+            print(f"eyas run: {msg}", flush=True)
+        except OSError:  # a closed terminal (EIO): a line lost must never stop a run or its teardown
+            pass
 
     # -- decisions
     def decide(self, stage: Stage) -> tuple[str, str, dict[str, str]]:
@@ -296,6 +301,13 @@ class Runner:
         rec = self.state.get(stage.name, {})
         out = self.run / stage.writes
         old, changes = rec.get("parts") or {}, None
+        # A stage that tailed an output records it as GROWING, not as the manifest it saw then: the output
+        # grew under it by design. While the same output is written (its stage resumes), GROWING matches it.
+        # Its stage's end turns GROWING into the final manifest, a fresh start of it (output removed) into a
+        # mark that never matches (_tailers_saw): a store rewritten with other settings still reruns train.
+        tailed = next((s.writes for s in self.stages if s.name == stage.tails), None)
+        if tailed in old and old[tailed] == GROWING:
+            old[tailed] = parts[tailed]
         if old.get("config") not in (None, parts["config"]):
             # another hash for the same values (fields added to eyas since, at their defaults, or dropped)?
             if "config_values" in rec:
@@ -346,6 +358,8 @@ class Runner:
         while i < len(active):
             stage = active[i]
             action, why, parts = self.decide(stage)
+            if action == "fresh":
+                self._tailers_saw(stage, "replaced")
             self.log(f"{stage.name}: {'skipped' if action == 'skip' else 'running'} ({why})")
             if action == "skip":
                 i += 1
@@ -366,6 +380,8 @@ class Runner:
             ctx = Ctx(self.cfg, self.run, len(devices), action == "resume", tail=n > 0)
             cmds = [c for c in stage.commands(ctx) if not (action == "resume" and c.out and Path(c.out).exists())]
             rec = self.state.setdefault(stage.name, {})
+            if n > 0:  # tailing wave[0]'s output, which grows meanwhile
+                parts = {**parts, wave[0][0].writes: GROWING}
             rec.update(status="running", parts=parts,
                        config_values=config_values(stage, self.cfg), devices=devices,
                        started_at=time.time(), log=str(self.run / "logs" / f"{stage.name}.log"))
@@ -447,13 +463,27 @@ class Runner:
 
     def _finish(self, job: Job) -> None:
         rec = self.state[job.stage.name]
+        out = self.run / job.stage.writes
+        if not out.exists():  # recorded done, its missing output would match forever: never run again
+            rec.update(status="failed", returncode=0, ended_at=time.time())
+            self._teardown_all("failed", None)
+            raise StageFailed(f"{job.stage.name} exited with code 0 but did not write {out}; check its log "
+                              f"{rec['log']} and rerun" + _log_tail(Path(rec["log"])))
         wall = time.monotonic() - job.t0
         rec.update(status="done", returncode=0, ended_at=time.time(), wall_s=round(wall, 3),
                    total_s=round(rec.get("total_s", 0.0) + wall, 3),
                    parts=fingerprint_parts(job.stage, self.cfg, self.run),  # a tailed input is final now
-                   outputs=sha256_json(manifest(self.run / job.stage.writes)))
+                   outputs=sha256_json(manifest(out)))
+        self._tailers_saw(job.stage, rec["outputs"])
         self._save_state()
         self.log(f"{job.stage.name}: done in {wall:.1f} s")
+
+    def _tailers_saw(self, stage: Stage, value: str) -> None:
+        """Records of stages that tailed `stage`'s output while it grew now hold `value` for it instead."""
+        for s in self.stages:
+            parts = self.state.get(s.name, {}).get("parts") or {}
+            if s.tails == stage.name and parts.get(stage.writes) == GROWING:
+                parts[stage.writes] = value
 
     def _mark_ended(self, proc: procs.StageProcess) -> None:
         for rec in self.records:
@@ -462,16 +492,17 @@ class Runner:
         self._save_records()
 
     def _teardown_all(self, status: str, exc: BaseException | None) -> None:
-        """End every live stage; further Ctrl-C/SIGTERM are ignored until that is done."""
+        """End every live stage, then say so (a closed terminal fails the lines, never the ending); further
+        Ctrl-C/SIGTERM are ignored until that is done."""
         with procs.signals_ignored():
             for job in self.jobs:
                 if job.proc is None:
                     continue
-                if exc is not None:
-                    self.log(f"{job.stage.name}: {status} ({exc or type(exc).__name__}); ending its process group")
                 proc, job.proc = job.proc, None
                 result = procs.teardown(proc, self.opts.grace_s)
                 self._mark_ended(proc)
+                if exc is not None:
+                    self.log(f"{job.stage.name}: {status} ({exc or type(exc).__name__}); its process group ended")
                 self.log(result.message())
                 leak = nvml.wait_released(job.devices, proc.seen, job.baseline, self.opts.tolerance_mib,
                                           self.opts.release_timeout_s)
@@ -494,8 +525,11 @@ class Runner:
         except OSError:
             return
         job.log_pos += len(data)
-        sys.stdout.buffer.write(data)
-        sys.stdout.flush()
+        try:
+            sys.stdout.buffer.write(data)
+            sys.stdout.flush()
+        except OSError:  # a closed terminal: the log file has it all
+            pass
 
 
 def _log_tail(log: Path, lines: int = 15) -> str:

@@ -269,8 +269,9 @@ def _on_signal(signum, frame):
 
 @contextlib.contextmanager
 def signals_raise():
-    """Ctrl-C raises KeyboardInterrupt and SIGTERM/SIGHUP raise Terminated, inside the block."""
-    saved = {s: signal.signal(s, _on_signal) for s in RUNNER_SIGNALS}
+    """Ctrl-C raises KeyboardInterrupt and SIGTERM/SIGHUP raise Terminated, inside the block. A signal
+    ignored already stays ignored: `nohup eyas run ... &` must outlive the terminal."""
+    saved = {s: signal.signal(s, _on_signal) for s in RUNNER_SIGNALS if signal.getsignal(s) != signal.SIG_IGN}
     try:
         yield
     finally:

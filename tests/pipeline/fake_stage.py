@@ -2,7 +2,7 @@
 
 It appends one JSON line about itself to --record, can spawn children and grandchildren (some ignore
 SIGTERM, one starts a session of its own) and list their pids in --pids, then writes --out, fails, or
-hangs as --mode says.
+hangs as --mode says (silent: exit 0 having written nothing).
 """
 
 import argparse
@@ -16,7 +16,7 @@ from pathlib import Path
 p = argparse.ArgumentParser()
 p.add_argument("--name", required=True)
 p.add_argument("--out", required=True)
-p.add_argument("--mode", default="ok", choices=["ok", "fail", "hang"])
+p.add_argument("--mode", default="ok", choices=["ok", "fail", "hang", "silent"])
 p.add_argument("--spawn", action="store_true")
 p.add_argument("--pids", default=None)
 p.add_argument("--record", default=None)
@@ -24,6 +24,7 @@ p.add_argument("--items", type=int, default=1)  # files written to --out, one pe
 p.add_argument("--delay", type=float, default=0.0)
 p.add_argument("--follow", default=None)  # a directory to wait on until it holds COMPLETE (a store tail)
 p.add_argument("--fail-if", default=None)  # fail when this file exists (lets a test break one attempt)
+p.add_argument("--fail-if-late", default=None)  # the same, checked after --follow: a tail that fails late
 p.add_argument("--resume", action="store_true")
 p.add_argument("--tail", action="store_true")
 args = p.parse_args()
@@ -38,6 +39,9 @@ def record(**extra):
 
 
 record(result="started")
+if args.mode == "silent":
+    record(result="ok", t_end=time.time())
+    sys.exit(0)
 out = Path(args.out)
 out.mkdir(parents=True, exist_ok=True)  # partial output, as a real stage leaves when it is interrupted
 
@@ -67,6 +71,9 @@ if args.mode == "hang":
 if args.follow:
     while not (Path(args.follow) / "COMPLETE").exists():
         time.sleep(0.02)
+if args.fail_if_late and Path(args.fail_if_late).exists():
+    record(result="fail")
+    sys.exit(3)
 for i in range(args.items):
     time.sleep(args.delay)
     (out / f"item-{i}").write_text(f"{args.name} {i}\n")

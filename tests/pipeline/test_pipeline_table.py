@@ -34,11 +34,11 @@ def counts(record: Path) -> dict[str, int]:
     return found
 
 
-def chain(tmp_path: Path, fail_flag: Path | None = None):
+def chain(tmp_path: Path, fail_flag: Path | None = None, b_args=()):
     rec = ["--record", str(tmp_path / "record.jsonl")]
     fail = ["--fail-if", str(fail_flag)] if fail_flag else []
     return (fake_stage("a", "a", rec, config=["data"]),
-            fake_stage("b", "b", rec + fail, reads=["a"], config=["train"]),
+            fake_stage("b", "b", rec + fail + list(b_args), reads=["a"], config=["train"]),
             fake_stage("c", "c", rec, reads=["b"], config=["eval"]))
 
 
@@ -152,11 +152,23 @@ def test_failed_stage_resumes_and_later_stages_wait(tmp_path):
         "name": "b", "pid": 0, "resume": True, "tail": False, "cuda": None, "t_start": 0, "result": "started"}
 
 
-def overlap_stages(tmp_path: Path, capture_args=()):
+def test_a_stage_that_exits_0_without_its_output_fails_until_it_writes_it(tmp_path):
+    """The fingerprint of a missing output would match forever: marked done, the stage were never run again."""
+    run, record = tmp_path / "run", tmp_path / "record.jsonl"
+    for attempt in (1, 2):
+        with pytest.raises(StageFailed, match=r"b .*code 0 but did not write .*b; check its log .*b\.log and rerun"):
+            run_pipeline(load_config("tiny"), run, QUIET, chain(tmp_path, b_args=["--mode", "silent"]))
+        assert status(run) == {"a": "done", "b": "failed"} and counts(record) == {"a": 1, "b": attempt}
+    run_pipeline(load_config("tiny"), run, QUIET, chain(tmp_path))
+    assert counts(record) == {"a": 1, "b": 3, "c": 1} and status(run)["b"] == "done"
+
+
+def overlap_stages(tmp_path: Path, capture_args=(), train_args=(), delay=0.15):
     rec = ["--record", str(tmp_path / "record.jsonl")]
     store = tmp_path / "run" / "store"
-    return (fake_stage("capture", "store", rec + ["--items", "4", "--delay", "0.15", *capture_args], gpus="all"),
-            fake_stage("train", "train", rec + ["--follow", str(store)], reads=["store"], gpus="all",
+    return (fake_stage("capture", "store", rec + ["--items", "4", "--delay", str(delay), *capture_args],
+                       config=["capture"], gpus="all"),
+            fake_stage("train", "train", rec + ["--follow", str(store), *train_args], reads=["store"], gpus="all",
                        tails="capture"))
 
 
@@ -199,6 +211,33 @@ def test_a_failed_capture_ends_the_training_that_tails_it(tmp_path, fake_gpus):
     assert "t_end" not in by_name(tmp_path / "record.jsonl").get("train", {})
     recs = json.loads((tmp_path / "run" / "processes.json").read_text())["stages"]
     assert all(r["ended"] for r in recs)
+
+
+@pytest.mark.parametrize("other_capture", [False, True])
+@pytest.mark.parametrize("fails", ["during capture", "after capture"])
+def test_an_overlapped_train_resumes_with_its_checkpoints(tmp_path, fake_gpus, fails, other_capture):
+    """The store train tailed grew under it: that is no change of its input, so a rerun resumes train (its
+    checkpoints kept) whether it stopped while capture wrote or after; a capture rerun with other settings
+    (a new store) still starts train afresh."""
+    run, record, flag = tmp_path / "run", tmp_path / "record.jsonl", tmp_path / "break-train"
+    flag.write_text("")
+    fail = "--fail-if" if fails == "during capture" else "--fail-if-late"
+    stages = overlap_stages(tmp_path, train_args=[fail, str(flag)], delay=0.4)
+    opts = RunOptions(gpus=[0, 1], echo=False, grace_s=0.5)
+    with pytest.raises(StageFailed, match="train exited with code 3"):
+        run_pipeline(load_config("tiny"), run, opts, stages)
+    assert status(run) == {"capture": "done" if fails == "after capture" else "failed", "train": "failed"}
+    checkpoint = run / "train" / "step-0000100" / "model.safetensors"
+    checkpoint.parent.mkdir(parents=True)
+    checkpoint.write_text("weights")
+    flag.unlink()
+    run_pipeline(load_config("tiny", ["capture.shard_tokens=1024"] if other_capture else []), run, opts, stages)
+    last_train = [r for r in started(record) if r["name"] == "train"][-1]
+    assert (last_train["resume"], checkpoint.exists()) == (not other_capture, not other_capture)
+    assert counts(record)["capture"] == (1 if fails == "after capture" and not other_capture else 2)
+    assert status(run) == {"capture": "done", "train": "done"}
+    run_pipeline(load_config("tiny", ["capture.shard_tokens=1024"] if other_capture else []), run, opts, stages)
+    assert counts(record)["train"] == 2  # done: skipped
 
 
 @pytest.fixture

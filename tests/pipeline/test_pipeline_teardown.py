@@ -5,11 +5,13 @@ killed), the stages are fake_stage.py, which leaves a child shell, a sleeping ch
 own (as torchrun's workers are) and two grandchildren behind, one of them (and the shell) ignoring SIGTERM.
 """
 
+import errno
 import json
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -128,3 +130,73 @@ def test_a_reused_pid_is_left_alone(tmp_path):
     finally:
         decoy.kill()
         decoy.wait()
+
+
+class DeadTerminal:
+    """stdout of a runner whose terminal was closed: once `dead`, every write fails with EIO."""
+
+    dead = False
+
+    def write(self, text):
+        if self.dead:
+            raise OSError(errno.EIO, "Input/output error")
+        return len(text)
+
+    def flush(self):
+        if self.dead:
+            raise OSError(errno.EIO, "Input/output error")
+
+
+def test_a_closed_terminal_does_not_stop_the_teardown(tmp_path, decoy, monkeypatch):
+    """SIGHUP after the terminal closed: the runner's log lines fail, its stage processes are ended anyway."""
+    from pipeline_fakes import fake_stage
+
+    from eyas.config import load_config
+    from eyas.gpu.procs import Terminated
+    from eyas.pipeline import RunOptions, run_pipeline
+
+    pids_file, sink = tmp_path / "pids", DeadTerminal()
+    stage = fake_stage("work", "work", ["--spawn", "--pids", str(pids_file), "--mode", "hang"])
+    monkeypatch.setattr(sys, "stdout", sink)
+
+    def close_terminal_then_signal():
+        wait_until(lambda: pids_file.exists() and len(pids_file.read_text().splitlines()) == 6, what="stage pids")
+        sink.dead = True
+        os.kill(os.getpid(), signal.SIGTERM)  # SIGHUP is handled alike; SIGTERM stays caught under nohup too
+
+    thread = threading.Thread(target=close_terminal_then_signal)
+    thread.start()
+    try:
+        with pytest.raises(Terminated):
+            opts = RunOptions(gpus=[], grace_s=0.5, echo=False)
+            run_pipeline(load_config("tiny"), tmp_path / "run", opts, (stage,))
+    finally:
+        thread.join()
+        pids = listed_pids(pids_file)
+        left = [role for role, p in pids.items() if alive(p)]
+        for p in pids.values():  # the test's own cleanup, pid by pid, should the runner have failed
+            if alive(p):
+                os.kill(p, signal.SIGKILL)
+    assert left == [] and alive(decoy.pid)
+    run = tmp_path / "run"
+    assert json.loads((run / "stages.json").read_text())["work"]["status"] == "interrupted"
+    assert all(r["ended"] for r in json.loads((run / "processes.json").read_text())["stages"])
+
+
+def test_an_ignored_hangup_stays_ignored():
+    """`nohup eyas run ... &`: a signal ignored when the runner starts stays ignored (logout does not end
+    the run); the others still raise."""
+    from eyas.gpu.procs import Terminated, signals_raise
+
+    before = signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    try:
+        with signals_raise():
+            os.kill(os.getpid(), signal.SIGHUP)
+            time.sleep(0.05)  # a handler would have raised Terminated by now
+            assert signal.getsignal(signal.SIGHUP) == signal.SIG_IGN
+            with pytest.raises(Terminated):
+                os.kill(os.getpid(), signal.SIGTERM)
+                time.sleep(1.0)
+        assert signal.getsignal(signal.SIGHUP) == signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGHUP, before)
