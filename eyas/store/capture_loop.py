@@ -180,7 +180,8 @@ def open_store(store: Path, fresh: dict, target) -> dict:
         for rank_file in store.glob("manifest.rank-*.json"):
             rank_file.unlink()
         return manifest
-    foreign = [p.name for p in store.iterdir() if not p.name.startswith(".")]
+    # a head file alone is what a capture killed before its first manifest left: written again below
+    foreign = [p.name for p in store.iterdir() if not p.name.startswith(".") and p.name != HEAD_FILE]
     if foreign:
         raise EyasError(f"{store} is not empty and holds no store ({', '.join(sorted(foreign)[:3])}, ...); "
                         f"choose an empty or new --out")

@@ -177,3 +177,15 @@ def test_a_cut_or_garbled_shard_is_named_by_the_reader(tmp_path, prepared, tiny_
     first.write_bytes(b"\xff" * len(data))  # the right size, no header a safetensors reader can parse
     with pytest.raises(EyasError, match=f"{first.name}: not a readable shard"):
         StoreReader(store)[0]
+
+
+def test_a_head_file_left_alone_by_a_killed_start_is_written_again(tmp_path, prepared, tiny_target):
+    """A capture killed between writing the target's head and its first manifest left only that file: the
+    next capture starts the store afresh instead of refusing a directory that "holds no store"."""
+    from eyas.store.manifest import HEAD_FILE
+
+    store = tmp_path / "store"
+    store.mkdir()
+    (store / HEAD_FILE).write_bytes(b"half written")
+    capture(tiny_cfg(shard_tokens=200, token_budget=256), prepared, store, target=tiny_target)
+    assert verify_store(store, num_samples=0)["problems"] == []
