@@ -444,7 +444,8 @@ class Runner:
         proc = job.proc
         with procs.signals_deferred():  # a Ctrl-C waits until the group is ended and that is recorded
             result = procs.teardown(proc, self.opts.grace_s)
-            self._mark_ended(proc)
+            if not result.left:  # a process still alive keeps its record open: the next runner ends it
+                self._mark_ended(proc)
             job.proc = None
         self._echo(job, proc)
         if result.killed or result.left:
@@ -500,7 +501,8 @@ class Runner:
                     continue
                 proc, job.proc = job.proc, None
                 result = procs.teardown(proc, self.opts.grace_s)
-                self._mark_ended(proc)
+                if not result.left:  # a process still alive keeps its record open: the next runner ends it
+                    self._mark_ended(proc)
                 if exc is not None:
                     self.log(f"{job.stage.name}: {status} ({exc or type(exc).__name__}); its process group ended")
                 self.log(result.message())

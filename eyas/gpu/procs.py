@@ -221,8 +221,11 @@ def teardown(proc: StageProcess, grace_s: float = 10.0, kill_wait_s: float = 30.
     t0 = time.monotonic()
     # the leader is our unreaped child, so its start time still matches and its group is ours
     killed, left = end_stage(proc.pid, proc.start, proc.token, grace_s, kill_wait_s, proc.seen)
-    if proc.returncode is None:
-        proc.returncode = proc.popen.wait()  # reaps the leader: only now may its pid be reused
+    # reaping the leader lets its pid be reused, so only a dead one is reaped: one alive after SIGKILL and the
+    # wait (in the kernel, e.g. stuck in a GPU driver) would block the runner forever; it is reported instead,
+    # and its record stays open for the next runner to end
+    if proc.returncode is None and proc.pid not in left:
+        proc.returncode = proc.popen.wait()
     return Teardown(proc.name, proc.returncode, killed, left, time.monotonic() - t0)
 
 

@@ -200,3 +200,18 @@ def test_an_ignored_hangup_stays_ignored():
         assert signal.getsignal(signal.SIGHUP) == signal.SIG_IGN
     finally:
         signal.signal(signal.SIGHUP, before)
+
+
+def test_a_leader_that_outlives_sigkill_is_reported_not_waited_for(monkeypatch, tmp_path):
+    """A leader still alive after SIGKILL and the wait (stuck in the kernel) must not block the runner in a
+    wait that never returns: it is reported, left unreaped, and ended here by the test that started it."""
+    from eyas.gpu import procs
+
+    proc = procs.launch("stuck", ["sleep", "1000"], dict(os.environ), tmp_path / "stuck.log", [])
+    monkeypatch.setattr(procs, "end_stage", lambda pid, *a, **k: ([pid], [pid]))  # as if SIGKILL had no effect
+    t0 = time.monotonic()
+    result = procs.teardown(proc, grace_s=0.1, kill_wait_s=0.1)
+    assert time.monotonic() - t0 < 5 and result.left == [proc.pid] and proc.returncode is None
+    assert "STILL ALIVE after SIGKILL" in result.message() and alive(proc.pid)
+    proc.popen.kill()  # our own child, by its pid
+    proc.popen.wait()
