@@ -272,9 +272,11 @@ def _on_signal(signum, frame):
 
 @contextlib.contextmanager
 def signals_raise():
-    """Ctrl-C raises KeyboardInterrupt and SIGTERM/SIGHUP raise Terminated, inside the block. A signal
-    ignored already stays ignored: `nohup eyas run ... &` must outlive the terminal."""
-    saved = {s: signal.signal(s, _on_signal) for s in RUNNER_SIGNALS if signal.getsignal(s) != signal.SIG_IGN}
+    """Ctrl-C raises KeyboardInterrupt and SIGTERM/SIGHUP raise Terminated, inside the block. A hangup ignored
+    already stays ignored: `nohup eyas run ... &` must outlive the terminal. (Not SIGINT: a shell without job
+    control starts every background command with SIGINT ignored, and `kill -INT` must still end a run.)"""
+    saved = {s: signal.signal(s, _on_signal) for s in RUNNER_SIGNALS
+             if not (s == signal.SIGHUP and signal.getsignal(s) == signal.SIG_IGN)}
     try:
         yield
     finally:

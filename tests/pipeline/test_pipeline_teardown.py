@@ -189,6 +189,8 @@ def test_an_ignored_hangup_stays_ignored():
     from eyas.gpu.procs import Terminated, signals_raise
 
     before = signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    # a shell without job control starts background commands with SIGINT ignored: kill -INT must still work
+    before_int = signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         with signals_raise():
             os.kill(os.getpid(), signal.SIGHUP)
@@ -197,9 +199,14 @@ def test_an_ignored_hangup_stays_ignored():
             with pytest.raises(Terminated):
                 os.kill(os.getpid(), signal.SIGTERM)
                 time.sleep(1.0)
+            with pytest.raises(KeyboardInterrupt):
+                os.kill(os.getpid(), signal.SIGINT)
+                time.sleep(1.0)
         assert signal.getsignal(signal.SIGHUP) == signal.SIG_IGN
+        assert signal.getsignal(signal.SIGINT) == signal.SIG_IGN
     finally:
         signal.signal(signal.SIGHUP, before)
+        signal.signal(signal.SIGINT, before_int)
 
 
 def test_a_leader_that_outlives_sigkill_is_reported_not_waited_for(monkeypatch, tmp_path):
