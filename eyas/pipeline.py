@@ -471,9 +471,15 @@ class Runner:
             raise StageFailed(f"{job.stage.name} exited with code 0 but did not write {out}; check its log "
                               f"{rec['log']} and rerun" + _log_tail(Path(rec["log"])))
         wall = time.monotonic() - job.t0
+        # the inputs as they were when the stage started: one edited while it ran was not what it used, so the
+        # next run must see it changed; only an input it tailed (still GROWING) is taken as it is now, final
+        parts = dict(rec.get("parts") or fingerprint_parts(job.stage, self.cfg, self.run))
+        growing = [k for k, v in parts.items() if v == GROWING]
+        if growing:
+            now = fingerprint_parts(job.stage, self.cfg, self.run)
+            parts.update({k: now[k] for k in growing})
         rec.update(status="done", returncode=0, ended_at=time.time(), wall_s=round(wall, 3),
-                   total_s=round(rec.get("total_s", 0.0) + wall, 3),
-                   parts=fingerprint_parts(job.stage, self.cfg, self.run),  # a tailed input is final now
+                   total_s=round(rec.get("total_s", 0.0) + wall, 3), parts=parts,
                    outputs=sha256_json(manifest(out)))
         self._tailers_saw(job.stage, rec["outputs"])
         self._save_state()

@@ -309,3 +309,26 @@ def test_one_runner_per_run_dir(tmp_path):
         with pytest.raises(EyasError, match="another `eyas run` works there"):
             run_pipeline(load_config("tiny"), run, QUIET, chain(tmp_path))
     assert not (tmp_path / "record.jsonl").exists()
+
+
+def test_an_input_edited_while_its_stage_runs_reruns_it_next_time(tmp_path):
+    """The record keeps the inputs as the stage started with them: an input file edited while the stage ran
+    was not what it used, so the next run must rerun the stage (it was fingerprinted again at the end, and
+    the edit was taken as used)."""
+    import dataclasses
+    import threading
+
+    data = tmp_path / "data.jsonl"
+    data.write_text("first\n")
+    rec = ["--record", str(tmp_path / "record.jsonl")]
+    slow = fake_stage("a", "a", rec + ["--items", "3", "--delay", "0.4"], config=["data"])
+    stages = (dataclasses.replace(slow, external=lambda cfg: [str(data)]),)
+    edit = threading.Timer(0.5, lambda: data.write_text("second, edited while a ran\n"))
+    edit.start()
+    run_pipeline(load_config("tiny"), tmp_path / "run", QUIET, stages)
+    edit.join()
+    assert counts(tmp_path / "record.jsonl") == {"a": 1}
+    run_pipeline(load_config("tiny"), tmp_path / "run", QUIET, stages)
+    assert counts(tmp_path / "record.jsonl") == {"a": 2}  # the edit is seen as a change
+    run_pipeline(load_config("tiny"), tmp_path / "run", QUIET, stages)
+    assert counts(tmp_path / "record.jsonl") == {"a": 2}  # and once used, it is done
