@@ -41,26 +41,6 @@ def test_verify_catches_a_flipped_byte(tmp_path, prepared, tiny_target, capsys):
     assert "MISMATCH: shard-00001.safetensors: sha256 differs" in out and "FAILED" in out
 
 
-def test_verify_recomputation_catches_wrong_states(tmp_path, prepared, tiny_target, capsys):
-    """A shard whose checksum was updated with its content (so files look fine) but whose states are wrong."""
-    store = _store(tmp_path, prepared, tiny_target)
-    manifest = json.loads((store / "manifest.json").read_text())
-    for rec in manifest["shards"]:
-        path = store / rec["file"]
-        tensors = load_file(path)
-        with safe_open(str(path), "pt") as f:
-            meta = f.metadata()
-        h = 64
-        tensors["aux_hidden"][:, h:2 * h] *= 1.05  # aux layer 2 off by 5 %
-        save_file(tensors, str(path), metadata=meta)
-        rec["sha256"], rec["bytes"] = sha256_file(path), path.stat().st_size
-    (store / "manifest.json").write_text(json.dumps(manifest))
-    assert main(["verify", str(store), "--samples", "2"]) == 1
-    out = capsys.readouterr().out
-    assert "MISMATCH: sample" in out and "aux 2: relative error" in out
-    assert "aux 1: relative" not in out and "final: relative" not in out
-
-
 def _rewrite_states(store, edit):
     """Apply edit(tensors) to every shard and update the checksums, as a capture that stored them would."""
     manifest = json.loads((store / "manifest.json").read_text())
@@ -74,6 +54,21 @@ def _rewrite_states(store, edit):
         rec["sha256"], rec["bytes"] = sha256_file(path), path.stat().st_size
     (store / "manifest.json").write_text(json.dumps(manifest))
     return manifest
+
+
+def test_verify_recomputation_catches_wrong_states(tmp_path, prepared, tiny_target, capsys):
+    """A shard whose checksum was updated with its content (so files look fine) but whose states are wrong."""
+    store = _store(tmp_path, prepared, tiny_target)
+
+    def off_by_5_percent(tensors):
+        h = 64
+        tensors["aux_hidden"][:, h:2 * h] *= 1.05  # aux layer 2
+
+    _rewrite_states(store, off_by_5_percent)
+    assert main(["verify", str(store), "--samples", "2"]) == 1
+    out = capsys.readouterr().out
+    assert "MISMATCH: sample" in out and "aux 2: relative error" in out
+    assert "aux 1: relative" not in out and "final: relative" not in out
 
 
 def test_verify_fails_on_nan_states(tmp_path, prepared, tiny_target, capsys):
