@@ -47,7 +47,7 @@ from eyas.data.template import stop_token_ids
 from eyas.spec.accept import walk_greedy
 from eyas.spec.bench import encode_turn, load_bench, parse_tree
 from eyas.spec.drafting import Pool, Proposal, kept_order, select_tree, tree_pool
-from eyas.spec.stats import NgramIndex, repeat_split
+from eyas.spec.stats import NgramIndex, matched, repeat_split
 from eyas.spec.target import Positions, causal_mask
 from eyas.target import load_target
 
@@ -172,19 +172,16 @@ class Request:
                 prop = Proposal([], [], [])
             best = [self.seq[big_n + 1 + d] if big_n + 1 + d < len(self.seq) else -1 for d in [0] + prop.depths]
             path, _ = walk_greedy(best, prop.tokens, prop.parents)
+            a = len(path)
             if lookup[0]:
                 chain = index.propose(big_n + 1, lookup[0])  # the context: seq[:big_n + 1], the pending token last
-                shared = _shared(prop, chain)
                 if extra is not None:
-                    extra.append(len(chain) - shared)
-                hits = next((i for i, t in enumerate(chain) if big_n + 1 + i >= len(self.seq)
-                             or t != self.seq[big_n + 1 + i]), len(chain))
-                if hits > len(path):
-                    path = list(range(hits))  # only its length is read below
-            accepted.append(len(path))
-            new = self.seq[big_n + 1:big_n + 2 + len(path)]
-            made += len(path) + 1
-            big_n += len(path) + 1
+                    extra.append(len(chain) - _shared(prop, chain))
+                a = max(a, matched(chain, self.seq, big_n + 1))  # the trie's walk takes the longer match
+            accepted.append(a)
+            new = self.seq[big_n + 1:big_n + 2 + a]
+            made += a + 1
+            big_n += a + 1
             if any(t in eos for t in new):
                 break
         return accepted

@@ -108,6 +108,14 @@ class NgramIndex:
         return []
 
 
+def matched(guess: list[int], seq: list[int], at: int) -> int:
+    """How many leading tokens of `guess` equal seq[at:] (a guessed chain's accepted length)."""
+    a = 0
+    while a < len(guess) and at + a < len(seq) and guess[a] == seq[at + a]:
+        a += 1
+    return a
+
+
 def ngram_accepted(prompt: list[int], tokens: list[int], k: int, min_n: int = NGRAM_MIN,
                    max_n: int = NGRAM_MAX) -> list[int]:
     """Accepted guesses per cycle of greedy n-gram lookup with k tokens a cycle (no draft model) whose output
@@ -117,10 +125,7 @@ def ngram_accepted(prompt: list[int], tokens: list[int], k: int, min_n: int = NG
     seq, n0 = list(prompt) + list(tokens), len(prompt)
     index, made, accepted = NgramIndex(seq, min_n, max_n), 1, []
     while made < len(tokens):
-        guess = index.propose(n0 + made, k)
-        a = 0
-        while a < len(guess) and made + a < len(tokens) and guess[a] == tokens[made + a]:
-            a += 1
+        a = matched(index.propose(n0 + made, k), tokens, made)
         accepted.append(a)
         made += a + 1
     return accepted
