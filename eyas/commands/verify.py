@@ -29,6 +29,10 @@ def main(args) -> int:
     report = verify_store(args.store, target=target, num_samples=args.samples, seed=args.seed)
     print(f"{args.store}: {report['num_shards']} shards, {report['num_samples']:,} samples, "
           f"{report['num_tokens']:,} tokens, {report['dtype']}, {'complete' if report['complete'] else 'INCOMPLETE'}")
+    if report["nonfinite_ids"]:
+        ids = report["nonfinite_ids"]
+        print(f"{len(ids)} sample(s) hold NaN or inf in their captured states, training skips them: "
+              f"{', '.join(ids[:5])}{', ...' if len(ids) > 5 else ''}")
     if report["layers"]:
         worst: dict[str, tuple[float, float, float]] = {}
         for row in report["layers"]:

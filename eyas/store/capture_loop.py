@@ -55,12 +55,12 @@ class BatchRunner:
         while start < len(rows):
             batch = rows[start:start + next_batch(rows[start:], lengths, self.budget)]
             try:
-                states = self._forward(batch)
+                states, nonfinite = self._forward(batch)
             except torch.OutOfMemoryError as e:
                 reason = str(e).splitlines()[0][:120] if str(e) else "out of memory"
             else:
-                buffer.put(states, self.copy_stream)
-                del states
+                buffer.put(states, self.copy_stream, nonfinite)
+                del states, nonfinite
                 start += len(batch)
                 if on_pass is not None:
                     on_pass(int(lengths[batch].sum()))
@@ -83,7 +83,8 @@ class BatchRunner:
             torch.cuda.empty_cache()
 
     @torch.inference_mode()
-    def _forward(self, rows: np.ndarray) -> dict[str, torch.Tensor]:
+    def _forward(self, rows: np.ndarray) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        """(the stored states of the rows' real tokens, [B] tokens per row whose states hold a NaN or inf)."""
         lengths = self.prepared.lengths[rows]
         batch, longest = len(rows), int(lengths.max())
         if self.inject_oom_tokens and batch * longest > self.inject_oom_tokens:
@@ -96,10 +97,15 @@ class BatchRunner:
         # flat positions of the real tokens, samples in row order: computed here, so that unpadding on the
         # device needs no device-to-host sync (a boolean mask index would wait for the forward pass)
         real = np.concatenate([b * longest + np.arange(n) for b, n in enumerate(lengths)])  # [t]
-        ids_t, mask_t, real_t = (self._to_device(a) for a in (ids, mask, real))
+        owner = np.repeat(np.arange(batch), lengths)  # [t] the row of each real token
+        ids_t, mask_t, real_t, owner_t = (self._to_device(a) for a in (ids, mask, real, owner))
         aux, final = self.features(ids_t, mask_t)  # [B, L, A*H], [B, L, H]
         aux = aux.reshape(batch * longest, -1).index_select(0, real_t)  # [t, A*H]
         final = final.reshape(batch * longest, -1).index_select(0, real_t)  # [t, H]
+        # a token's states hold a NaN or inf iff their sum does (one read, no [t, A*H] mask; a finite sum that
+        # overflows, from values near 1e34, counts as well); counted per row on the device, read by the writer
+        bad = ~(torch.isfinite(aux.sum(-1)) & torch.isfinite(final.sum(-1)))  # [t]
+        nonfinite = torch.zeros(batch, dtype=torch.int32, device=aux.device).index_add_(0, owner_t, bad.int())  # [B]
         aux_dtype, final_dtype = parts(self.dtype)
         aux_q, aux_s = encode(aux, aux_dtype, self.features.num_aux)
         final_q, final_s = encode(final, final_dtype, 1)
@@ -108,7 +114,7 @@ class BatchRunner:
             states["aux_scale"] = aux_s
         if final_s is not None:
             states["final_scale"] = final_s
-        return states
+        return states, nonfinite
 
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
         """Through pinned memory on CUDA: a copy from pageable memory may wait for the device to be idle."""
@@ -336,6 +342,7 @@ def _capture(cfg, prepared: Prepared, store: Path, target, rank: int, world: int
         finish_store(store)
     _barrier(world)
     final = read_manifest(store)
+    bad_ids = [sid for rec in final["shards"] for sid in rec.get("nonfinite_ids", ())]
     summary = {
         "store": str(store), "complete": final["complete"], "dtype": dtype, "aux_layers": features.aux_layers,
         "wall_s": round(wall, 3), "samples": int(num_samples), "tokens": int(num_tokens), "bytes": int(num_bytes),
@@ -351,6 +358,7 @@ def _capture(cfg, prepared: Prepared, store: Path, target, rank: int, world: int
         # summed over ranks: writer threads' busy time, the loop's waits for a free buffer (writes behind),
         # and the time from the last forward pass to the last commit
         "writer_busy_s": round(busy_s, 3), "writer_wait_s": round(wait_s, 3), "drain_s": round(drain_s, 3),
+        "nonfinite_samples": len(bad_ids),  # in the whole store: their states hold NaN or inf; training skips them
     }
     if rank == 0 and (num_tokens > 0 or not (store / SUMMARY).is_file()):  # a no-op rerun keeps the real summary
         atomic_write_json(store / SUMMARY, summary)
@@ -360,4 +368,9 @@ def _capture(cfg, prepared: Prepared, store: Path, target, rank: int, world: int
            f"{final['num_samples']:,} samples, {final['num_tokens']:,} tokens, {len(final['shards'])} shards, "
            f"{format_bytes(final['num_bytes'])} ({summary['bytes_per_token']:,} B/token), "
            f"{'complete' if final['complete'] else 'INCOMPLETE'}")
+    if bad_ids and rank == 0:
+        warn(f"the target's states of {len(bad_ids)} sample(s) hold NaN or inf ({', '.join(bad_ids[:5])}"
+             f"{', ...' if len(bad_ids) > 5 else ''}; listed per shard in {store / MANIFEST}): training skips them. "
+             f"With target.dtype=fp16 the target's activations may overflow: capture with bf16 or fp32; if the "
+             f"target overflows in bf16 too, check these samples (and `eyas verify {store}`)")
     return summary

@@ -19,18 +19,21 @@ class ShardBuffer:
         self.capacity = capacity
         self.regions = {name: torch.empty((capacity, width), dtype=dtype, pin_memory=pinned)  # [capacity, width]
                         for name, (width, dtype) in layout.items()}
+        self.pinned = pinned
         self.rows = 0
         self.events: list = []  # torch.cuda.Event per pass, recorded after its copies were enqueued
+        self.counts: list[torch.Tensor] = []  # per pass: [B] tokens per sample whose states hold NaN or inf
 
     @property
     def nbytes(self) -> int:
         return sum(r.numel() * r.element_size() for r in self.regions.values())
 
     def reset(self) -> None:
-        self.rows, self.events = 0, []
+        self.rows, self.events, self.counts = 0, [], []
 
-    def put(self, states: dict[str, torch.Tensor], copy_stream=None) -> None:
-        """Append one pass's states ({name: [t, width]}, in sample order) after the rows already there.
+    def put(self, states: dict[str, torch.Tensor], copy_stream=None, nonfinite: torch.Tensor | None = None) -> None:
+        """Append one pass's states ({name: [t, width]}, in sample order) after the rows already there, and
+        its samples' counts of non-finite tokens (`nonfinite` [B], same order; see `nonfinite_per_sample`).
 
         With a copy stream (CUDA) the copy is asynchronous: it starts once the compute stream has produced
         the states, and the device tensors are kept alive (record_stream) until it is done."""
@@ -41,6 +44,8 @@ class ShardBuffer:
         if copy_stream is None:
             for name, x in states.items():
                 self.regions[name][lo:hi].copy_(x)
+            if nonfinite is not None:
+                self.counts.append(nonfinite.clone())
         else:
             device = next(iter(states.values())).device
             copy_stream.wait_stream(torch.cuda.current_stream(device))
@@ -48,6 +53,11 @@ class ShardBuffer:
                 for name, x in states.items():
                     self.regions[name][lo:hi].copy_(x, non_blocking=True)
                     x.record_stream(copy_stream)  # the compute stream may not reuse this memory before the copy ends
+                if nonfinite is not None:
+                    host = torch.empty(nonfinite.shape, dtype=nonfinite.dtype, pin_memory=self.pinned)
+                    host.copy_(nonfinite, non_blocking=True)
+                    nonfinite.record_stream(copy_stream)
+                    self.counts.append(host)
                 done = torch.cuda.Event()
                 done.record(copy_stream)
             self.events.append(done)
@@ -58,6 +68,10 @@ class ShardBuffer:
         for event in self.events:
             event.synchronize()
         self.events = []
+
+    def nonfinite_per_sample(self) -> list[int]:
+        """Tokens per sample (in put order) whose captured states hold a NaN or inf; after `wait()`."""
+        return [int(n) for counts in self.counts for n in counts.tolist()]
 
     def view(self, name: str) -> torch.Tensor:
         return self.regions[name][:self.rows]  # [rows, width], contiguous

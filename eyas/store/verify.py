@@ -173,6 +173,8 @@ def verify_store(store: str | Path, target=None, num_samples: int = 4, seed: int
             target = load_target(spec, device="auto", dtype="fp32")  # the reference is always fp32
         rows, more = recompute(store, manifest, target, num_samples, seed)
         problems += more
-    return {"problems": problems, "layers": rows, "num_shards": len(committed_shards(store, manifest)),
+    shards = committed_shards(store, manifest)
+    nonfinite = [sid for rec in shards for sid in rec.get("nonfinite_ids", ())]  # flagged by capture
+    return {"problems": problems, "layers": rows, "num_shards": len(shards), "nonfinite_ids": nonfinite,
             "num_samples": manifest["num_samples"], "num_tokens": manifest["num_tokens"],
             "complete": bool(manifest.get("complete")), "dtype": manifest["dtype"]}

@@ -187,6 +187,7 @@ class ShardWriter:
 
     def _commit(self, job: ShardJob) -> None:
         job.buffer.wait()
+        nonfinite = job.buffer.nonfinite_per_sample()  # [n] tokens per sample with a NaN or inf in its states
         tensors, metadata = shard_tensors(job, self.manifest["dtype"], self.manifest["aux_layers"])
         need = sum(t.numel() * t.element_size() for t in tensors.values()) + (1 << 20)
         free = shutil.disk_usage(self.store).free
@@ -205,7 +206,10 @@ class ShardWriter:
             raise
         fsync_dir(self.store)
         record = {"index": job.index, "file": final.name, "sha256": sha256, "num_samples": len(job.rows),
-                  "num_tokens": num_tokens, "bytes": final.stat().st_size}
+                  "num_tokens": num_tokens, "bytes": final.stat().st_size, "nonfinite_tokens": sum(nonfinite)}
+        if sum(nonfinite):  # training skips these samples (eyas/train/source.py)
+            record["nonfinite_samples"] = [j for j, n in enumerate(nonfinite) if n]
+            record["nonfinite_ids"] = [job.sample_ids[j] for j, n in enumerate(nonfinite) if n]
         with self._lock:  # one manifest, several threads: commits are serialised, in any index order
             self.mine.append(record)
             self.num_bytes += record["bytes"]

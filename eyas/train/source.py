@@ -9,7 +9,6 @@ eyas.target.
 
 from __future__ import annotations
 
-import bisect
 import random
 import time
 from dataclasses import dataclass, field
@@ -88,7 +87,8 @@ class GrowingStore:
 
     `wait_shard(i)` blocks until shard i is committed (polling the manifest through the reader) and
     returns the global indices of its samples; shards are taken strictly in index order, so numbering
-    and the training plan do not depend on the order in which capture ranks commit them.
+    and the training plan do not depend on the order in which capture ranks commit them. Samples whose
+    states hold NaN or inf (the shard's record says which) get no index: training never sees them.
     """
 
     def __init__(self, reader, poll_s: float = 2.0, timeout_s: float | None = 3600.0):
@@ -97,9 +97,10 @@ class GrowingStore:
         self.num_shards = int(plan.get("num_shards", len(reader.shards)))
         self.planned_tokens = int(plan.get("num_tokens", reader.manifest.get("num_tokens", 0)))
         self.poll_s, self.timeout_s = poll_s, timeout_s
-        self.starts: list[int] = []  # first global index of shard i, for the shards taken so far
-        self.positions: list[int] = []  # position of shard i in reader.shards
+        self.taken = 0  # shards taken so far
+        self.where: list[tuple[int, int]] = []  # global sample -> (position in reader.shards, sample in shard)
         self.lengths: list[int] = []  # tokens per global sample
+        self.skipped: list[str] = []  # ids of the samples left out: their states hold NaN or inf
 
     def __len__(self) -> int:
         return len(self.lengths)
@@ -110,7 +111,7 @@ class GrowingStore:
     def wait_shard(self, index: int) -> range:
         from eyas.common import print0
 
-        assert index == len(self.starts), f"shards are taken in order; expected {len(self.starts)}, got {index}"
+        assert index == self.taken, f"shards are taken in order; expected {self.taken}, got {index}"
         last_progress, told = time.time(), False
         while (pos := self._position(index)) is None:
             if self.reader.complete:
@@ -125,17 +126,46 @@ class GrowingStore:
             time.sleep(self.poll_s)
             if self.reader.refresh():
                 last_progress = time.time()
-        offsets = self.reader._shard(pos).offsets  # [n+1]
-        self.starts.append(len(self.lengths))
-        self.positions.append(pos)
-        self.lengths += (offsets[1:] - offsets[:-1]).tolist()
-        return range(self.starts[-1], len(self.lengths))
+        record, offsets = self.reader.shards[pos], self.reader._shard(pos).offsets  # [n+1]
+        skip = set(record.get("nonfinite_samples", ()))
+        if skip:
+            warn(f"skipping {len(skip)} sample(s) of shard {index} of {self.reader.path} whose captured states hold "
+                 f"NaN or inf ({', '.join(record.get('nonfinite_ids', [])[:5])})")
+            self.skipped += record.get("nonfinite_ids", [])
+        first = len(self.lengths)
+        for j, n in enumerate((offsets[1:] - offsets[:-1]).tolist()):
+            if j not in skip:
+                self.where.append((pos, j))
+                self.lengths.append(n)
+        self.taken += 1
+        return range(first, len(self.lengths))
 
     def __getitem__(self, g: int) -> dict:
         if not 0 <= g < len(self.lengths):
             raise IndexError(f"sample {g} is not in a shard taken so far ({len(self.lengths)} samples)")
-        i = bisect.bisect_right(self.starts, g) - 1
-        return self.reader.read(self.positions[i], g - self.starts[i])
+        return self.reader.read(*self.where[g])
+
+
+class KeptSamples:
+    """A store's samples without those whose captured states hold NaN or inf, numbered 0..n-1."""
+
+    def __init__(self, reader, keep: list[int]):
+        self.reader, self.keep = reader, keep
+
+    def __len__(self) -> int:
+        return len(self.keep)
+
+    def __getitem__(self, i: int) -> dict:
+        return self.reader[self.keep[i]]
+
+
+def nonfinite_samples(reader) -> dict[int, str]:
+    """{global index: sample id} of the store's samples whose states hold NaN or inf (from the shard records)."""
+    bad = {}
+    for start, record in zip(reader._starts, reader.shards):
+        bad.update({start + j: sid for j, sid in zip(record.get("nonfinite_samples", ()),
+                                                      record.get("nonfinite_ids", ()))})
+    return bad
 
 
 def load_vocab_file(path: str | Path) -> tuple[torch.Tensor, torch.Tensor]:
@@ -201,8 +231,18 @@ def store_source(store: str | Path, expect: dict | None = None, vocab: str | Pat
              f"using the full target vocabulary ({manifest['vocab_size']})")
     growing = GrowingStore(reader, poll_s, timeout_s) if tail else None
     lengths = [] if tail else store_lengths(reader)
+    samples = reader
+    bad = {} if tail else nonfinite_samples(reader)
+    if bad:
+        if len(bad) == len(reader):
+            raise EyasError(f"the captured states of every sample of {store} hold NaN or inf: the target overflowed "
+                            f"(with target.dtype=fp16, capture with bf16 or fp32); nothing to train on")
+        keep = [i for i in range(len(reader)) if i not in bad]
+        warn(f"skipping {len(bad)} of {len(reader)} samples of {store} whose captured states hold NaN or inf "
+             f"({', '.join(list(bad.values())[:5])}{', ...' if len(bad) > 5 else ''})")
+        samples, lengths = KeptSamples(reader, keep), [lengths[i] for i in keep]
     return TrainSource(
-        samples=reader, lengths=lengths, embed_weight=embed, lm_head_weight=lm_head,
+        samples=samples, lengths=lengths, embed_weight=embed, lm_head_weight=lm_head,
         target_config=manifest.get("target_config") or {}, target=manifest.get("target"),
         aux_layers=list(manifest["aux_layers"]), d2t=d2t, t2d=t2d, store=str(store),
         target_spec=(manifest.get("target") or {}).get("name"), num_layers=manifest.get("num_layers"),

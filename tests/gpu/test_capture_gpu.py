@@ -125,3 +125,26 @@ def test_bf16_capture_matches_fp32_reference(tmp_path, spec):
             assert err < 3e-2, (spec, k, float(err))
         want = hs[n][0].cpu()
         assert (s["final_hidden"] - want).abs().max() / want.abs().max() < 3e-2
+
+
+def test_nonfinite_states_counted_through_the_copy_stream(tmp_path):
+    """NaN states are counted per sample on the device and read by the writer from pinned memory after the
+    copy stream's events: the manifest names exactly the samples whose stored states hold a NaN."""
+    from store_helpers import poison_embeddings, poisoned_prepared
+
+    target = poison_embeddings(load_target("tiny", device="cuda", dtype="bf16"))
+    poisoned = {i: i % 40 for i in range(3, 200, 17)}
+    prepared, _ = poisoned_prepared(tmp_path / "prepared", poisoned, num_samples=200, min_len=40, max_len=300)
+    store = tmp_path / "store"
+    summary = capture(_cfg("tiny", dtype="bf16", token_budget=2048, shard_tokens=8192), prepared, store, target=target)
+    manifest = json.loads((store / "manifest.json").read_text())
+    assert summary["nonfinite_samples"] == len(poisoned) and len(manifest["shards"]) >= 3
+    flagged = {sid for rec in manifest["shards"] for sid in rec.get("nonfinite_ids", [])}
+    assert flagged == {f"s{i:04d}" for i in poisoned}
+    reader, counted = StoreReader(store), 0
+    for i in range(len(reader)):
+        s = reader[i]
+        bad = ~(torch.isfinite(s["aux_hidden"]).all(-1) & torch.isfinite(s["final_hidden"]).all(-1))  # [T]
+        counted += int(bad.sum())
+        assert bool(bad.any()) == (s["sample_id"] in flagged)
+    assert counted == sum(rec["nonfinite_tokens"] for rec in manifest["shards"])

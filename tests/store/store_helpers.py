@@ -43,3 +43,35 @@ def capture_argv(prepared, store, *sets, threads=None):
     for s in sets:
         args += ["--set", s]
     return [sys.executable, "-c", boot, *args]
+
+
+POISON = 7  # token id whose embedding `poison_embeddings` turns into NaN
+
+
+def poisoned_prepared(path, poisoned: dict[int, int], num_samples=20, seed=1, min_len=8, max_len=29):
+    """A prepared dir of random ids >= 10, but sample i of `poisoned` has POISON at position poisoned[i].
+    Returns (path, lengths)."""
+    import datasets
+
+    rng = np.random.default_rng(seed)
+    ids, masks = [], []
+    for i in range(num_samples):
+        n = int(rng.integers(min_len, max_len + 1))
+        row = rng.integers(10, 259, size=n).tolist()
+        if i in poisoned:
+            row[poisoned[i]] = POISON
+        ids.append(row)
+        masks.append([0] * 3 + [1] * (n - 3))
+    datasets.Dataset.from_dict({"sample_id": [f"s{i:04d}" for i in range(num_samples)], "input_ids": ids,
+                                "loss_mask": masks}).save_to_disk(str(path / "dataset"))
+    (path / "prepare.json").write_text(json.dumps({"source": "nonfinite test", "num_kept": num_samples}))
+    return path, [len(r) for r in ids]
+
+
+def poison_embeddings(target):
+    """Make the target's embedding of POISON NaN (as an overflowing fp16 layer would), through a hook."""
+    def hook(module, args, out):
+        return out.masked_fill((args[0] == POISON)[..., None], float("nan"))
+
+    target.embed_tokens.register_forward_hook(hook)
+    return target
