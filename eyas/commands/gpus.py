@@ -11,11 +11,12 @@ def add_arguments(parser) -> None:
 
 def main(args) -> int:
     from eyas.gpu import nvml
+    from eyas.pipeline import parse_gpus
 
+    devices = parse_gpus(args.gpus) if args.gpus else None
     if not nvml.available():
         print(f"eyas gpus: {nvml.why_unavailable()}; there is nothing to list (stages run on the CPU)")
         return 0
-    devices = [int(d) for d in args.gpus.split(",")] if args.gpus else None
     if not nvml.gpus():
         print("eyas gpus: the NVIDIA driver is loaded but sees no GPU")
         return 0

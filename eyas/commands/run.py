@@ -33,7 +33,7 @@ def main(args) -> int:
     from eyas.common import EyasError
     from eyas.config import load_config
     from eyas.gpu.procs import Terminated
-    from eyas.pipeline import RunOptions, run_pipeline
+    from eyas.pipeline import RunOptions, parse_gpus, run_pipeline
 
     if args.config_file and args.preset:
         raise EyasError("give either CONFIG.yaml or --preset, not both")
@@ -45,7 +45,7 @@ def main(args) -> int:
     from eyas.data.benchmarks import check_benches
 
     check_benches(cfg.eval.benches)  # the eval stage comes last: find a missing benchmark before the first
-    opts = RunOptions(gpus=[int(d) for d in args.gpus.split(",") if d.strip()] if args.gpus is not None else None,
+    opts = RunOptions(gpus=parse_gpus(args.gpus) if args.gpus is not None else None,
                       wait_for_gpus=args.wait_for_gpus, overlap=not args.no_overlap,
                       stage_timeout=args.stage_timeout, grace_s=args.grace,
                       release_timeout_s=args.release_timeout, echo=not args.quiet)

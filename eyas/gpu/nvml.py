@@ -27,6 +27,7 @@ class Gpu:
     name: str
     used_mib: float
     total_mib: float
+    uuid: str = ""  # "GPU-8c1f...", as CUDA_VISIBLE_DEVICES may name it
 
 
 @dataclass(frozen=True)
@@ -75,7 +76,8 @@ def gpus() -> list[Gpu]:
     for i in range(nv.nvmlDeviceGetCount()):
         h = nv.nvmlDeviceGetHandleByIndex(i)
         mem = nv.nvmlDeviceGetMemoryInfo(h)
-        found.append(Gpu(i, _text(nv.nvmlDeviceGetName(h)), mem.used / MIB, mem.total / MIB))
+        found.append(Gpu(i, _text(nv.nvmlDeviceGetName(h)), mem.used / MIB, mem.total / MIB,
+                         _text(nv.nvmlDeviceGetUUID(h))))
     return found
 
 

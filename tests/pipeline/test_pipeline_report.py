@@ -75,3 +75,37 @@ def test_the_train_stage_fingerprints_the_draft_it_fine_tunes(tmp_path):
     assert list(before) == ["config", "prepared", "store", str(draft)]
     (draft / "model.safetensors").write_bytes(b"bb")
     assert fingerprint_parts(train, cfg, tmp_path)[str(draft)] != before[str(draft)]
+
+
+def test_bad_gpu_lists_are_clear_errors():
+    from eyas.common import EyasError
+    from eyas.pipeline import parse_gpus
+
+    assert parse_gpus("0, 2,3") == [0, 2, 3] and parse_gpus("") == []
+    with pytest.raises(EyasError, match=r"'x' is not a device index.*e\.g\. 0,1"):
+        parse_gpus("0,x")
+    with pytest.raises(EyasError, match="named twice"):
+        parse_gpus("1,1")
+    for argv in (["run", "--preset", "tiny", "--run-dir", "r", "--gpus", "0;1"], ["gpus", "--gpus", "a"]):
+        res = subprocess.run([sys.executable, "-m", "eyas", *argv], capture_output=True, text=True, timeout=120)
+        assert res.returncode != 0 and "Traceback" not in res.stderr and "is not a device index" in res.stderr
+
+
+def test_cuda_visible_devices_by_uuid_map_to_nvml_indices(monkeypatch):
+    """CUDA reads UUIDs (or unique prefixes of them) and stops at the first entry naming no device."""
+    from eyas import pipeline
+    from eyas.common import EyasError
+    from eyas.gpu.nvml import Gpu
+
+    gpus = [Gpu(0, "H200", 0, 1, "GPU-aaaa-1111"), Gpu(1, "H200", 0, 1, "GPU-bbbb-2222"),
+            Gpu(2, "H200", 0, 1, "GPU-bbbb-3333")]
+    monkeypatch.setattr(pipeline.nvml, "gpus", lambda: gpus)
+    for visible, pool in (("GPU-bbbb-3333,GPU-aaaa", [2, 0]), ("2,0", [2, 0]), ("", []), ("1,GPU-bbbb,0", [1]),
+                          ("GPU-cccc,0", []), ("-1", [])):
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
+        assert pipeline._default_pool() == pool, visible
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    assert pipeline._default_pool() == [0, 1, 2]
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "MIG-0c3e")
+    with pytest.raises(EyasError, match="MIG"):
+        pipeline._default_pool()
