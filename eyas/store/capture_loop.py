@@ -23,7 +23,8 @@ import torch
 from eyas.common import EyasError, atomic_write_json, format_bytes, print0, progress, warn
 from eyas.store.batching import auto_token_budget, next_batch, plan_fingerprint, plan_shards
 from eyas.store.codec import bytes_per_token, encode, parts, state_layout
-from eyas.store.manifest import HEAD_FILE, MANIFEST, RESUME_KEYS, SCHEMA_VERSION, SUMMARY, committed_shards
+from eyas.store.manifest import HEAD_FILE, MANIFEST, RESUME_KEYS, RESUME_KEYS_SINCE, SCHEMA_VERSION, SUMMARY
+from eyas.store.manifest import committed_shards
 from eyas.store.manifest import differing_keys, read_manifest, write_manifest
 from eyas.store.prepared import Prepared, load_prepared_arrays
 from eyas.store.shardfile import write_shard_file
@@ -144,6 +145,9 @@ def new_manifest(cfg, target, features: FeatureCapture, prepared: Prepared, shar
         "aux_layers": features.aux_layers,
         "final_hidden": "post_norm",
         "dtype": dtype,
+        # the dtype the target computed in (the stored dtype may be lower): a resume in another one would mix
+        # states of two precisions in one store
+        "compute_dtype": str(target.dtype).removeprefix("torch."),
         "scales": _scales_note(dtype),
         "shard_tokens": cfg.capture.shard_tokens,
         "plan": {"num_shards": len(shards), "num_samples": len(prepared), "num_tokens": int(prepared.offsets[-1]),
@@ -178,8 +182,11 @@ def open_store(store: Path, fresh: dict, target) -> dict:
     if (store / MANIFEST).is_file():
         manifest = read_manifest(store)
         diffs = differing_keys(manifest, {k: fresh[k] for k in RESUME_KEYS})
+        diffs += differing_keys(manifest, {k: fresh[k] for k in RESUME_KEYS_SINCE if k in manifest})
         if diffs:
-            raise EyasError(f"{store} holds a capture made with other settings (differs in: {', '.join(diffs)}); "
+            was = f" (target.dtype: the store was computed in {manifest['compute_dtype']}, this run computes in " \
+                  f"{fresh['compute_dtype']})" if "compute_dtype" in diffs else ""
+            raise EyasError(f"{store} holds a capture made with other settings (differs in: {', '.join(diffs)}){was}; "
                             f"rerun with the original arguments to resume, or choose another --out")
         manifest["shards"] = committed_shards(store, manifest)
         write_manifest(store, manifest)

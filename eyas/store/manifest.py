@@ -26,6 +26,8 @@ SUMMARY = "summary.json"  # the last capture run's figures (wall_s, tokens_per_s
 FP8_MAX = 448.0  # largest finite float8_e4m3fn value
 # keys that must agree between a store on disk and a capture that resumes into it
 RESUME_KEYS = ("schema_version", "target", "aux_layers", "dtype", "shard_tokens", "prepared", "plan")
+# keys a store written before they existed lacks: compared on resume only when the store has them
+RESUME_KEYS_SINCE = ("compute_dtype",)
 
 
 def shard_file(index: int) -> str:

@@ -104,6 +104,22 @@ def test_rerun_with_other_settings_is_refused(tmp_path, prepared, tiny_target):
         _capture(store, other, tiny_target, "fp32")
 
 
+def test_resume_in_another_compute_dtype_is_refused(tmp_path, prepared, tiny_target):
+    """An fp32 store resumed by a bf16 target would hold states of two precisions; a store written before the
+    manifest named its compute dtype still resumes."""
+    from eyas.target import load_target
+
+    store = _capture(tmp_path / "s", prepared, tiny_target, "fp32")
+    manifest = json.loads((store / "manifest.json").read_text())
+    assert manifest["compute_dtype"] == "float32"
+    bf16_target = load_target("tiny", device="cpu", dtype="bf16")
+    with pytest.raises(EyasError, match="differs in: compute_dtype.*computed in float32, this run computes in bfloat16"):
+        _capture(store, prepared, bf16_target, "fp32")
+    del manifest["compute_dtype"]
+    (store / "manifest.json").write_text(json.dumps(manifest))
+    assert _capture(store, prepared, tiny_target, "fp32") == store  # nothing left to capture, no refusal
+
+
 def test_token_budget_from_ram_and_batches_by_tokens(tiny_target):
     import numpy as np
 
