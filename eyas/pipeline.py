@@ -59,6 +59,7 @@ class Stage:
     tails: str | None = None  # may run alongside this stage, reading its output as it grows
     external: Callable[[RunConfig], list[str]] = lambda cfg: []  # files outside the run dir it reads
     timeout_s: float = 0.0  # 0 = the runner's --stage-timeout
+    unread: Callable[[RunConfig], tuple[str, ...]] = lambda cfg: ()  # of `reads`, those this config does not read
 
 
 def eyas(ctx: Ctx, command: str, *args: str, dist: bool = False) -> list[str]:
@@ -122,7 +123,8 @@ STAGES = (
     Stage("capture", ("prepared",),          "store",    ("target", "capture"),                "all",      _capture,
           when=_store_mode),
     Stage("train",   ("prepared", "store"),  "train",    ("target", "capture.mode", "train"),  "all",      _train,
-          tails="capture", external=lambda cfg: [cfg.train.init_from] if cfg.train.init_from else []),
+          tails="capture", external=lambda cfg: [cfg.train.init_from] if cfg.train.init_from else [],
+          unread=lambda cfg: () if _store_mode(cfg) else ("store",)),
     Stage("eval",    ("train",),             "eval",     ("target", "eval"),                   "one",      _eval),
     Stage("export",  ("train",),             "export",   ("export",),                          "none",     _export),
 )
@@ -205,8 +207,11 @@ def _config_hash_before_values(stage: Stage, cfg: RunConfig) -> str:
 
 def fingerprint_parts(stage: Stage, cfg: RunConfig, run: Path) -> dict[str, str]:
     parts = {"config": sha256_json(config_values(stage, cfg))}
+    unread = stage.unread(cfg)
     for name in stage.reads:
-        parts[name] = sha256_json(manifest(run / name))
+        # an input this config does not read counts as absent, whatever is there (a store left from an earlier
+        # run does not make an online train stale); an online run's store never existed, so its records match
+        parts[name] = sha256_json(None if name in unread else manifest(run / name))
     for path in stage.external(cfg):
         parts[path] = sha256_json(manifest(Path(path)))  # a hub name is not a path: its name is in config
     return parts

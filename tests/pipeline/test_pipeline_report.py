@@ -77,6 +77,20 @@ def test_the_train_stage_fingerprints_the_draft_it_fine_tunes(tmp_path):
     assert fingerprint_parts(train, cfg, tmp_path)[str(draft)] != before[str(draft)]
 
 
+def test_an_online_train_does_not_fingerprint_the_store(tmp_path):
+    """capture.mode=online trains from the prepared data: a store in the run dir is not its input, and the
+    fingerprint is the one it had when no store was there (records of existing online runs still match)."""
+    from eyas.pipeline import STAGES, fingerprint_parts
+
+    train = next(s for s in STAGES if s.name == "train")
+    online, stored = load_config("tiny", ["capture.mode=online"]), load_config("tiny")
+    before = fingerprint_parts(train, online, tmp_path)
+    (tmp_path / "store").mkdir()
+    (tmp_path / "store" / "manifest.json").write_text("{}")
+    assert fingerprint_parts(train, online, tmp_path) == before
+    assert fingerprint_parts(train, stored, tmp_path)["store"] != before["store"]
+
+
 def test_bad_gpu_lists_are_clear_errors():
     from eyas.common import EyasError
     from eyas.pipeline import parse_gpus
