@@ -112,6 +112,19 @@ def _store_mode(cfg: RunConfig) -> bool:
     return cfg.capture.mode == "store"
 
 
+def _target_files(cfg: RunConfig) -> list[str]:
+    """The target's files when target.spec is a local model directory or .gguf file: weights replaced there
+    make the stages that run the target stale. A hub id or a built-in name is named by the config alone."""
+    from eyas.target.load import TINY_KINDS
+
+    spec = cfg.target.spec
+    if spec in TINY_KINDS or spec == "smollm2":
+        return []
+    path = Path(spec).expanduser()
+    return [str(path)] if (path.is_dir() and (path / "config.json").is_file()) or (
+        spec.endswith(".gguf") and path.is_file()) else []
+
+
 def _regen_gpu(cfg: RunConfig) -> str:
     return "one" if cfg.data.regenerate == "local" else "none"  # a URL: the server has the GPUs
 
@@ -119,13 +132,15 @@ def _regen_gpu(cfg: RunConfig) -> str:
 STAGES = (
     #     name       reads                   writes      depends on config                     gpus        commands
     Stage("prepare", (),                     "prepared", ("target.spec", "target.dtype", "data"), _regen_gpu, _prepare,
-          external=lambda cfg: cfg.data.data),
+          external=lambda cfg: [*cfg.data.data, *_target_files(cfg)]),
     Stage("capture", ("prepared",),          "store",    ("target", "capture"),                "all",      _capture,
-          when=_store_mode),
+          when=_store_mode, external=_target_files),
     Stage("train",   ("prepared", "store"),  "train",    ("target", "capture.mode", "train"),  "all",      _train,
-          tails="capture", external=lambda cfg: [cfg.train.init_from] if cfg.train.init_from else [],
+          tails="capture", external=lambda cfg: ([cfg.train.init_from] if cfg.train.init_from else [])
+          + ([] if _store_mode(cfg) else _target_files(cfg)),
           unread=lambda cfg: () if _store_mode(cfg) else ("store",)),
-    Stage("eval",    ("train",),             "eval",     ("target", "eval"),                   "one",      _eval),
+    Stage("eval",    ("train",),             "eval",     ("target", "eval"),                   "one",      _eval,
+          external=_target_files),
     Stage("export",  ("train",),             "export",   ("export",),                          "none",     _export),
 )
 
@@ -349,6 +364,12 @@ class Runner:
                 same = old["config"] == _config_hash_before_values(stage, self.cfg)
             if same:
                 old["config"] = parts["config"]
+        if old and old.get("config") == parts["config"]:
+            # inputs a newer eyas fingerprints (the target's local files) are missing from older records: under
+            # the same config values they are the inputs the stage ran with (a new input from a config change,
+            # such as train.init_from, comes with another config)
+            for key in parts.keys() - old.keys():
+                old[key] = parts[key]
         if rec.get("parts") == parts:
             if rec.get("status") == "done" and rec.get("outputs") == sha256_json(manifest(out)):
                 return "skip", "done, inputs unchanged", parts

@@ -332,3 +332,34 @@ def test_an_input_edited_while_its_stage_runs_reruns_it_next_time(tmp_path):
     assert counts(tmp_path / "record.jsonl") == {"a": 2}  # the edit is seen as a change
     run_pipeline(load_config("tiny"), tmp_path / "run", QUIET, stages)
     assert counts(tmp_path / "record.jsonl") == {"a": 2}  # and once used, it is done
+
+
+def test_target_weights_replaced_in_place_rerun_the_stages_that_run_it(tmp_path):
+    """A local target directory is an input of the stages that run the target: new weights under the same
+    path make them stale. A record from an eyas that did not fingerprint the target is taken as unchanged."""
+    import dataclasses
+
+    from eyas.pipeline import _target_files
+
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    (model / "model.safetensors").write_bytes(b"weights one")
+    run, record = tmp_path / "run", tmp_path / "record.jsonl"
+    stage = dataclasses.replace(fake_stage("a", "a", ["--record", str(record)], config=["target"]),
+                                external=_target_files)
+    cfg = load_config("tiny", [f"target.spec={model}"])
+    assert _target_files(cfg) == [str(model)] and _target_files(load_config("tiny")) == []
+    run_pipeline(cfg, run, QUIET, (stage,))
+    run_pipeline(cfg, run, QUIET, (stage,))
+    assert counts(record) == {"a": 1}
+
+    (model / "model.safetensors").write_bytes(b"weights two, same path")
+    run_pipeline(cfg, run, QUIET, (stage,))
+    assert counts(record) == {"a": 2}
+
+    state = json.loads((run / "stages.json").read_text())
+    del state["a"]["parts"][str(model)]  # as an older eyas recorded it
+    (run / "stages.json").write_text(json.dumps(state))
+    run_pipeline(cfg, run, QUIET, (stage,))
+    assert counts(record) == {"a": 2} and (run / "a").is_dir()
