@@ -220,6 +220,10 @@ def _config_hash_before_values(stage: Stage, cfg: RunConfig) -> str:
     return sha256_json(values)
 
 
+# 2: a stage's record names every input it had (the target's local files since); older records are completed
+INPUTS_VERSION = 2
+
+
 def fingerprint_parts(stage: Stage, cfg: RunConfig, run: Path) -> dict[str, str]:
     parts = {"config": sha256_json(config_values(stage, cfg))}
     unread = stage.unread(cfg)
@@ -265,7 +269,7 @@ class Job:
 def parse_gpus(text: str, option: str = "--gpus") -> list[int]:
     """'0,1,3' -> [0, 1, 3]; anything else is an EyasError that says what the option takes."""
     items = [v.strip() for v in text.split(",") if v.strip()]
-    bad = [v for v in items if not v.isdigit()]
+    bad = [v for v in items if not (v.isascii() and v.isdigit())]
     if bad or len(set(items)) != len(items):
         what = f"{', '.join(repr(v) for v in bad)} is not a device index" if bad else "a device is named twice"
         raise EyasError(f"{option} {text!r}: {what}; give device indices separated by commas, e.g. 0,1 "
@@ -282,7 +286,7 @@ def _default_pool() -> list[int]:
     known = nvml.gpus()
     pool = []
     for entry in (v.strip() for v in visible.split(",")):
-        if entry.isdigit():
+        if entry.isascii() and entry.isdigit():
             pool.append(int(entry))
             continue
         if entry.startswith("MIG-"):
@@ -364,11 +368,14 @@ class Runner:
                 same = old["config"] == _config_hash_before_values(stage, self.cfg)
             if same:
                 old["config"] = parts["config"]
-        if old and old.get("config") == parts["config"]:
+        if old and old.get("config") == parts["config"] and rec.get("inputs_version", 1) < INPUTS_VERSION:
             # inputs a newer eyas fingerprints (the target's local files) are missing from older records: under
             # the same config values they are the inputs the stage ran with (a new input from a config change,
-            # such as train.init_from, comes with another config)
+            # such as train.init_from, comes with another config). A newer record names every input it had.
             for key in parts.keys() - old.keys():
+                old[key] = parts[key]
+        for key in stage.unread(self.cfg):  # never read, so never stale (an older eyas recorded a store there)
+            if key in old:
                 old[key] = parts[key]
         if rec.get("parts") == parts:
             if rec.get("status") == "done" and rec.get("outputs") == sha256_json(manifest(out)):
@@ -435,7 +442,7 @@ class Runner:
             rec = self.state.setdefault(stage.name, {})
             if n > 0:  # tailing wave[0]'s output, which grows meanwhile
                 parts = {**parts, wave[0][0].writes: GROWING}
-            rec.update(status="running", parts=parts,
+            rec.update(status="running", parts=parts, inputs_version=INPUTS_VERSION,
                        config_values=config_values(stage, self.cfg), devices=devices,
                        started_at=time.time(), log=str(self.run / "logs" / f"{stage.name}.log"))
             rec["attempts"] = rec.get("attempts", 0) + 1

@@ -76,8 +76,11 @@ def gpus() -> list[Gpu]:
     for i in range(nv.nvmlDeviceGetCount()):
         h = nv.nvmlDeviceGetHandleByIndex(i)
         mem = nv.nvmlDeviceGetMemoryInfo(h)
-        found.append(Gpu(i, _text(nv.nvmlDeviceGetName(h)), mem.used / MIB, mem.total / MIB,
-                         _text(nv.nvmlDeviceGetUUID(h))))
+        try:
+            uuid = _text(nv.nvmlDeviceGetUUID(h))
+        except Exception:  # noqa: BLE001 -- only CUDA_VISIBLE_DEVICES by UUID needs it
+            uuid = ""
+        found.append(Gpu(i, _text(nv.nvmlDeviceGetName(h)), mem.used / MIB, mem.total / MIB, uuid))
     return found
 
 

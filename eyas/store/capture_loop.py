@@ -103,9 +103,10 @@ class BatchRunner:
         aux, final = self.features(ids_t, mask_t)  # [B, L, A*H], [B, L, H]
         aux = aux.reshape(batch * longest, -1).index_select(0, real_t)  # [t, A*H]
         final = final.reshape(batch * longest, -1).index_select(0, real_t)  # [t, H]
-        # a token's states hold a NaN or inf iff their sum does (one read, no [t, A*H] mask; a finite sum that
-        # overflows, from values near 1e34, counts as well); counted per row on the device, read by the writer
-        bad = ~(torch.isfinite(aux.sum(-1)) & torch.isfinite(final.sum(-1)))  # [t]
+        # a token's states hold a NaN or inf iff their sum does (one read, no [t, A*H] mask). Summed in fp32: an
+        # fp16 sum overflows at 65504, which a target's massive activations reach with every value finite (only
+        # values near 1e34 overflow here). Counted per row on the device, read by the writer thread
+        bad = ~(torch.isfinite(aux.sum(-1, dtype=torch.float32)) & torch.isfinite(final.sum(-1, dtype=torch.float32)))
         nonfinite = torch.zeros(batch, dtype=torch.int32, device=aux.device).index_add_(0, owner_t, bad.int())  # [B]
         aux_dtype, final_dtype = parts(self.dtype)
         aux_q, aux_s = encode(aux, aux_dtype, self.features.num_aux)

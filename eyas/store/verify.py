@@ -108,7 +108,10 @@ def recompute(store: Path, manifest: dict, target, num_samples: int, seed: int =
     features = FeatureCapture(target, manifest["aux_layers"])
     aux_tol, final_tol = (TOLERANCE[p] for p in parts(manifest["dtype"]))
     prepared, row_of = _prepared_rows(manifest)
-    picks = sorted(random.Random(seed).sample(range(len(reader)), min(num_samples, len(reader))))
+    # samples capture flagged with NaN or inf are listed by verify_store and skipped by training, not judged here
+    flagged = {start + j for start, rec in zip(reader._starts, reader.shards) for j in rec.get("nonfinite_samples", ())}
+    finite = [i for i in range(len(reader)) if i not in flagged]
+    picks = sorted(random.Random(seed).sample(finite, min(num_samples, len(finite))))
     rows = []
     for i in picks:
         sample = reader[i]

@@ -138,6 +138,9 @@ class GrowingStore:
                 self.where.append((pos, j))
                 self.lengths.append(n)
         self.taken += 1
+        if self.taken == self.num_shards and not self.lengths:
+            raise EyasError(f"the captured states of every sample of {self.reader.path} hold NaN or inf: the target "
+                            f"overflowed (with target.dtype=fp16, capture with bf16 or fp32); nothing to train on")
         return range(first, len(self.lengths))
 
     def __getitem__(self, g: int) -> dict:

@@ -359,7 +359,32 @@ def test_target_weights_replaced_in_place_rerun_the_stages_that_run_it(tmp_path)
     assert counts(record) == {"a": 2}
 
     state = json.loads((run / "stages.json").read_text())
-    del state["a"]["parts"][str(model)]  # as an older eyas recorded it
+    assert state["a"]["inputs_version"] == 2
+    del state["a"]["parts"][str(model)], state["a"]["inputs_version"]  # as an older eyas recorded it
     (run / "stages.json").write_text(json.dumps(state))
     run_pipeline(cfg, run, QUIET, (stage,))
     assert counts(record) == {"a": 2} and (run / "a").is_dir()
+
+    # a record of this eyas names every input it had: a target directory that appears under the same name
+    # (a hub id downloaded to a directory of that name) is a new input
+    state["a"]["inputs_version"] = 2  # the same record without the target's key, written by this eyas
+    (run / "stages.json").write_text(json.dumps(state))
+    run_pipeline(cfg, run, QUIET, (stage,))
+    assert counts(record) == {"a": 3}
+
+
+def test_an_unread_input_never_makes_a_stage_stale(tmp_path):
+    """An older eyas fingerprinted RUN/store for an online train; the store changed since: no rerun."""
+    import dataclasses
+
+    run, record = tmp_path / "run", tmp_path / "record.jsonl"
+    (run / "store").mkdir(parents=True)
+    (run / "store" / "manifest.json").write_text("{}")
+    old = fake_stage("b", "b", ["--record", str(record)], reads=["store"], config=["train"])
+    run_pipeline(load_config("tiny"), run, QUIET, (old,))
+    (run / "store" / "manifest.json").write_text('{"changed": true}')
+    new = dataclasses.replace(old, unread=lambda cfg: ("store",))
+    run_pipeline(load_config("tiny"), run, QUIET, (new,))
+    assert counts(record) == {"b": 1}
+    run_pipeline(load_config("tiny"), run, QUIET, (old,))  # and where it is read, the change counts
+    assert counts(record) == {"b": 2}

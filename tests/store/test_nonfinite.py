@@ -22,7 +22,7 @@ def overflowing_target():
     return poison_embeddings(load_target("tiny", device="cpu", dtype="fp32"))
 
 
-def test_capture_counts_skips_and_reports(tmp_path, overflowing_target):
+def test_capture_counts_skips_and_reports(tmp_path, overflowing_target, tiny_target):
     poisoned = {3: 5, 11: 0, 16: 7}
     prepared, lengths = poisoned_prepared(tmp_path / "prepared", poisoned)
     store = tmp_path / "store"
@@ -71,6 +71,10 @@ def test_capture_counts_skips_and_reports(tmp_path, overflowing_target):
 
     report = verify_store(store, num_samples=0)
     assert report["problems"] == [] and sorted(report["nonfinite_ids"]) == sorted(flagged)
+    # recomputing with the target as it should be: the flagged samples are listed, not judged
+    report = verify_store(store, target=tiny_target, num_samples=20)
+    assert report["problems"] == [] and len({row["sample"] for row in report["layers"]}) == 17
+    assert not {row["sample_id"] for row in report["layers"]} & set(flagged)
 
 
 def test_a_store_of_only_nonfinite_states_is_refused(tmp_path, overflowing_target):
@@ -80,6 +84,24 @@ def test_a_store_of_only_nonfinite_states_is_refused(tmp_path, overflowing_targe
     assert summary["nonfinite_samples"] == 4
     with pytest.raises(EyasError, match="every sample .* hold NaN or inf"):
         store_source(store)
+    growing = GrowingStore(StoreReader(store), poll_s=0.01, timeout_s=5)  # training that tails it
+    with pytest.raises(EyasError, match="every sample .* hold NaN or inf"):
+        for i in range(growing.num_shards):
+            growing.wait_shard(i)
+
+
+def test_large_finite_fp16_states_are_not_counted(tmp_path):
+    """fp16 states whose sum passes 65504 with every value finite (massive activations) are not NaN or inf."""
+    from eyas.target import load_target
+
+    target = load_target("tiny", device="cpu", dtype="fp16")
+    target.embed_tokens.register_forward_hook(lambda module, args, out: out * 0 + 500.0)
+    prepared, _ = poisoned_prepared(tmp_path / "prepared", {}, num_samples=4)
+    store = tmp_path / "store"
+    summary = capture(tiny_cfg(shard_tokens=60, token_budget=64, dtype="fp32"), prepared, store, target=target)
+    sample = StoreReader(store)[0]
+    assert float(sample["aux_hidden"][0].sum()) > 65504 and bool(torch.isfinite(sample["aux_hidden"]).all())
+    assert summary["nonfinite_samples"] == 0
 
 
 def test_clean_capture_records_zero(tmp_path, tiny_target):
