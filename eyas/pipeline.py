@@ -379,6 +379,9 @@ class Runner:
                 old[key] = parts[key]
         if rec.get("parts") == parts:
             if rec.get("status") == "done" and rec.get("outputs") == sha256_json(manifest(out)):
+                if rec.get("inputs_version", 1) < INPUTS_VERSION:  # completed above: kept, so that a later
+                    rec["inputs_version"] = INPUTS_VERSION  # change of the inputs it lacked is seen
+                    self._save_state()
                 return "skip", "done, inputs unchanged", parts
             if out.exists():
                 return "resume", f"resuming after '{rec.get('status', 'unfinished')}'", parts

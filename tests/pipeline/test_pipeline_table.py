@@ -364,13 +364,20 @@ def test_target_weights_replaced_in_place_rerun_the_stages_that_run_it(tmp_path)
     (run / "stages.json").write_text(json.dumps(state))
     run_pipeline(cfg, run, QUIET, (stage,))
     assert counts(record) == {"a": 2} and (run / "a").is_dir()
+    kept = json.loads((run / "stages.json").read_text())["a"]  # completed by the skip: now it sees a change
+    assert kept["inputs_version"] == 2 and str(model) in kept["parts"]
+    (model / "model.safetensors").write_bytes(b"weights three")
+    run_pipeline(cfg, run, QUIET, (stage,))
+    assert counts(record) == {"a": 3}
+    state = json.loads((run / "stages.json").read_text())
+    del state["a"]["parts"][str(model)]
 
     # a record of this eyas names every input it had: a target directory that appears under the same name
     # (a hub id downloaded to a directory of that name) is a new input
     state["a"]["inputs_version"] = 2  # the same record without the target's key, written by this eyas
     (run / "stages.json").write_text(json.dumps(state))
     run_pipeline(cfg, run, QUIET, (stage,))
-    assert counts(record) == {"a": 3}
+    assert counts(record) == {"a": 4}
 
 
 def test_an_unread_input_never_makes_a_stage_stale(tmp_path):
