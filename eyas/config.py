@@ -40,6 +40,11 @@ def _in_range(name: str, value: float, low: float, high: float) -> None:
 _DEVICE = re.compile(r"auto|cpu|mps|cuda(:\d+)?")
 
 
+# target specs that name a model eyas builds or ships itself, never a path (eyas/target/load.py)
+TINY_TARGETS = ("tiny", "tiny-llama", "tiny-qwen2", "tiny-moe")  # random models built in code, for tests
+BUILTIN_TARGETS = ("smollm2", *TINY_TARGETS)
+
+
 @dataclass
 class TargetConfig:
     # a local HF directory, a hub id, a .gguf file, "smollm2" (the embedded default) or

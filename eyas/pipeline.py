@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Callable
 
 from eyas.common import EyasError, atomic_write_json, read_json, save_config, sha256_json
-from eyas.config import RunConfig
+from eyas.config import BUILTIN_TARGETS, RunConfig
 from eyas.gpu import nvml, procs
 
 POLL_S = 0.1
@@ -115,10 +115,8 @@ def _store_mode(cfg: RunConfig) -> bool:
 def _target_files(cfg: RunConfig) -> list[str]:
     """The target's files when target.spec is a local model directory or .gguf file: weights replaced there
     make the stages that run the target stale. A hub id or a built-in name is named by the config alone."""
-    from eyas.target.load import TINY_KINDS
-
     spec = cfg.target.spec
-    if spec in TINY_KINDS or spec == "smollm2":
+    if spec in BUILTIN_TARGETS:
         return []
     path = Path(spec).expanduser()
     return [str(path)] if (path.is_dir() and (path / "config.json").is_file()) or (

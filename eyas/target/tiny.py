@@ -6,6 +6,8 @@ training, speculative decoding) runs on them exactly as on a real target, in sec
 
 from __future__ import annotations
 
+from eyas.config import TINY_TARGETS
+
 CHATML_TEMPLATE = (
     "{% for message in messages %}"
     "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
@@ -15,7 +17,7 @@ CHATML_TEMPLATE = (
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 TINY_VOCAB = 320  # 256 bytes + 3 specials, padded like real models pad their embedding tables
 
-TINY_KINDS = ("tiny", "tiny-llama", "tiny-qwen2", "tiny-moe")
+TINY_KINDS = TINY_TARGETS  # named in eyas.config, which the runner reads without importing model code
 
 
 def _byte_chars() -> list[str]:
