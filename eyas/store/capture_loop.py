@@ -25,7 +25,7 @@ from eyas.store.batching import auto_token_budget, next_batch, plan_fingerprint,
 from eyas.store.codec import bytes_per_token, encode, parts, state_layout
 from eyas.store.manifest import HEAD_FILE, MANIFEST, RESUME_KEYS, RESUME_KEYS_SINCE, SCHEMA_VERSION, SUMMARY
 from eyas.store.manifest import committed_shards
-from eyas.store.manifest import differing_keys, read_manifest, write_manifest
+from eyas.store.manifest import differing_keys, nonfinite_ids, read_manifest, write_manifest
 from eyas.store.prepared import Prepared, load_prepared_arrays
 from eyas.store.shardfile import write_shard_file
 from eyas.store.staging import ShardBuffer
@@ -350,7 +350,7 @@ def _capture(cfg, prepared: Prepared, store: Path, target, rank: int, world: int
         finish_store(store)
     _barrier(world)
     final = read_manifest(store)
-    bad_ids = [sid for rec in final["shards"] for sid in rec.get("nonfinite_ids", ())]
+    bad_ids = nonfinite_ids(final["shards"])
     summary = {
         "store": str(store), "complete": final["complete"], "dtype": dtype, "aux_layers": features.aux_layers,
         "wall_s": round(wall, 3), "samples": int(num_samples), "tokens": int(num_tokens), "bytes": int(num_bytes),

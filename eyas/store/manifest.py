@@ -70,6 +70,11 @@ def committed_shards(store: str | Path, manifest: dict) -> list[dict]:
     return [by_index[i] for i in sorted(by_index)]
 
 
+def nonfinite_ids(shards: list[dict]) -> list[str]:
+    """Ids of the samples whose captured states hold NaN or inf, as capture named them in the shard records."""
+    return [sid for rec in shards for sid in rec.get("nonfinite_ids", ())]
+
+
 def write_manifest(store: str | Path, manifest: dict) -> None:
     """Recompute the totals and replace manifest.json atomically."""
     shards = sorted(manifest["shards"], key=lambda r: r["index"])

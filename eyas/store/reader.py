@@ -69,6 +69,11 @@ class StoreReader:
     def __len__(self) -> int:
         return (self._starts[-1] + self.shards[-1]["num_samples"]) if self.shards else 0
 
+    def nonfinite(self) -> dict[int, str]:
+        """{index: sample id} of the committed samples whose captured states hold NaN or inf (capture's flags)."""
+        return {start + j: sid for start, rec in zip(self._starts, self.shards)
+                for j, sid in zip(rec.get("nonfinite_samples", ()), rec.get("nonfinite_ids", ()))}
+
     def _shard(self, pos: int) -> _Shard:
         if pos not in self._open:
             path = self.path / self.shards[pos]["file"]

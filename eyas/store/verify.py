@@ -22,7 +22,7 @@ import torch
 
 from eyas.common import EyasError, sha256_file
 from eyas.store.codec import STORAGE_DTYPES, TOLERANCE, parts
-from eyas.store.manifest import HEAD_FILE, committed_shards, read_manifest
+from eyas.store.manifest import HEAD_FILE, committed_shards, nonfinite_ids, read_manifest
 
 # the largest median per-token relative error a stored layer may show: SmolLM2's neighbouring layers differ by
 # 0.26-0.33 (median over a sample's tokens), while a bf16 capture recomputed in fp32 differs by at most 0.022
@@ -109,7 +109,7 @@ def recompute(store: Path, manifest: dict, target, num_samples: int, seed: int =
     aux_tol, final_tol = (TOLERANCE[p] for p in parts(manifest["dtype"]))
     prepared, row_of = _prepared_rows(manifest)
     # samples capture flagged with NaN or inf are listed by verify_store and skipped by training, not judged here
-    flagged = {start + j for start, rec in zip(reader._starts, reader.shards) for j in rec.get("nonfinite_samples", ())}
+    flagged = reader.nonfinite()
     finite = [i for i in range(len(reader)) if i not in flagged]
     picks = sorted(random.Random(seed).sample(finite, min(num_samples, len(finite))))
     rows = []
@@ -177,7 +177,6 @@ def verify_store(store: str | Path, target=None, num_samples: int = 4, seed: int
         rows, more = recompute(store, manifest, target, num_samples, seed)
         problems += more
     shards = committed_shards(store, manifest)
-    nonfinite = [sid for rec in shards for sid in rec.get("nonfinite_ids", ())]  # flagged by capture
-    return {"problems": problems, "layers": rows, "num_shards": len(shards), "nonfinite_ids": nonfinite,
+    return {"problems": problems, "layers": rows, "num_shards": len(shards), "nonfinite_ids": nonfinite_ids(shards),
             "num_samples": manifest["num_samples"], "num_tokens": manifest["num_tokens"],
             "complete": bool(manifest.get("complete")), "dtype": manifest["dtype"]}

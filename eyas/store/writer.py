@@ -207,9 +207,10 @@ class ShardWriter:
         fsync_dir(self.store)
         record = {"index": job.index, "file": final.name, "sha256": sha256, "num_samples": len(job.rows),
                   "num_tokens": num_tokens, "bytes": final.stat().st_size, "nonfinite_tokens": sum(nonfinite)}
-        if sum(nonfinite):  # training skips these samples (eyas/train/source.py)
-            record["nonfinite_samples"] = [j for j, n in enumerate(nonfinite) if n]
-            record["nonfinite_ids"] = [job.sample_ids[j] for j, n in enumerate(nonfinite) if n]
+        flagged = [j for j, n in enumerate(nonfinite) if n]
+        if flagged:  # training skips these samples (eyas/train/source.py)
+            record["nonfinite_samples"] = flagged
+            record["nonfinite_ids"] = [job.sample_ids[j] for j in flagged]
         with self._lock:  # one manifest, several threads: commits are serialised, in any index order
             self.mine.append(record)
             self.num_bytes += record["bytes"]

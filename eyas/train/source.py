@@ -162,15 +162,6 @@ class KeptSamples:
         return self.reader[self.keep[i]]
 
 
-def nonfinite_samples(reader) -> dict[int, str]:
-    """{global index: sample id} of the store's samples whose states hold NaN or inf (from the shard records)."""
-    bad = {}
-    for start, record in zip(reader._starts, reader.shards):
-        bad.update({start + j: sid for j, sid in zip(record.get("nonfinite_samples", ()),
-                                                      record.get("nonfinite_ids", ()))})
-    return bad
-
-
 def load_vocab_file(path: str | Path) -> tuple[torch.Tensor, torch.Tensor]:
     from safetensors.torch import load_file
 
@@ -235,7 +226,7 @@ def store_source(store: str | Path, expect: dict | None = None, vocab: str | Pat
     growing = GrowingStore(reader, poll_s, timeout_s) if tail else None
     lengths = [] if tail else store_lengths(reader)
     samples = reader
-    bad = {} if tail else nonfinite_samples(reader)
+    bad = {} if tail else reader.nonfinite()
     if bad:
         if len(bad) == len(reader):
             raise EyasError(f"the captured states of every sample of {store} hold NaN or inf: the target overflowed "
