@@ -23,7 +23,7 @@ import torch
 
 from eyas.commands.eval import build_engine
 from eyas.data.benchmarks import humaneval_prompts, mtbench_questions
-from eyas.spec.bench import encode_turn
+from eyas.speculative.bench import encode_turn
 from eyas.target import load_target
 from eyas.target.capture import FeatureCapture
 from eyas.train.ttt import ttt_forward

@@ -17,9 +17,9 @@ import argparse
 import torch
 
 from eyas.data.benchmarks import mtbench_questions
-from eyas.spec.bench import encode_turn
-from eyas.spec.engine import SpecEngine
-from eyas.spec.oracle import untrained_draft
+from eyas.speculative.bench import encode_turn
+from eyas.speculative.engine import SpecEngine
+from eyas.speculative.oracle import untrained_draft
 from eyas.target import load_target
 
 

@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from eyas.config import load_config  # noqa: E402
 from eyas.store import capture  # noqa: E402
 from eyas.store.batching import auto_token_budget, next_batch, plan_shards, token_batches  # noqa: E402
-from eyas.store.prepared import load_prepared_arrays  # noqa: E402
+from eyas.data.prepared import load_prepared_arrays  # noqa: E402
 from eyas.store.writer import default_writer_threads  # noqa: E402
 from eyas.target import load_target  # noqa: E402
 
@@ -237,7 +237,7 @@ def main() -> None:
     print(f"forward only: {fwd_before:,.0f} tok/s", flush=True)
     rows = []
     for dtype in [d for d in args.dtypes.split(",") if d]:
-        cfg = load_config("demo", [f"target.spec={args.model}", f"capture.dtype={dtype}",
+        cfg = load_config("demo", [f"target.model={args.model}", f"capture.dtype={dtype}",
                                    f"capture.token_budget={budget}", f"capture.shard_tokens={shard_tokens}"])
         cfg.capture.writer_threads = writers
         store = work / f"store-{dtype}"

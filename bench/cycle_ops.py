@@ -5,7 +5,7 @@
 On the H200 a SmolLM2 forward is bound by kernel launches, not by arithmetic (docs/PERFORMANCE.md: a
 forward of 1 to 16 tokens costs the same), and a CUDA graph replays one kernel per operator. So the
 number of operators a pass runs, relative to a plain decoding step, predicts its GPU time relative to
-that step, without a GPU. This script runs each pass of the fixed-shape path (eyas/spec/graphs.py)
+that step, without a GPU. This script runs each pass of the fixed-shape path (eyas/speculative/graphs.py)
 once under the profiler, eagerly in fp32, and counts the ATen operators that would be kernels (leaf
 operators other than views and allocations). The last table gives each pass in operators and in plain
 steps, and per setting the predicted cycle cost in plain steps: speedup = tau / that cost, before host
@@ -21,8 +21,8 @@ from torch.profiler import ProfilerActivity, profile
 
 from eyas.commands.eval import build_engine
 from eyas.data.benchmarks import mtbench_questions
-from eyas.spec.bench import encode_turn, settings_of
-from eyas.spec.engine import SpecEngine
+from eyas.speculative.bench import encode_turn, settings_of
+from eyas.speculative.engine import SpecEngine
 from eyas.target import load_target
 
 NOT_KERNELS = {"aten::empty", "aten::empty_strided", "aten::empty_like", "aten::view", "aten::as_strided",

@@ -2,7 +2,7 @@
 
     python bench/cycle_phases.py --draft RUN/train [--steps 3,5,7] [--trees "4,4,12;8,6,40"] [--prompts 4]
 
-The engine's graphed path queues a whole cycle (graphs `chain` or `tree`, `verify`, `rebuild`; eyas/spec/graphs.py)
+The engine's graphed path queues a whole cycle (graphs `chain` or `tree`, `verify`, `rebuild`; eyas/speculative/graphs.py)
 ahead of the host, so an end-to-end run cannot say which phase costs what. Here, after decoding each
 prompt normally (which captures the graphs and fills both caches), every graph is replayed alone
 --repeats times between CUDA events, with the committed length reset before each replay, so the
@@ -14,7 +14,7 @@ not explain (host work, launch gaps, reads).
 SmolLM2 in bf16 on CUDA. `--cpu` runs the same passes eagerly in fp32 (a check of the script, not a
 measurement).
 
-Each pass is captured once per attended width (eyas/spec/graphs.py); the phases are timed at the width the
+Each pass is captured once per attended width (eyas/speculative/graphs.py); the phases are timed at the width the
 decoding used at its end and, in the column beside, at the decoder's whole capacity (what every pass
 attended over before widths existed). `--width-step` sets the engine's width step (default the engine's),
 e.g. to the capacity (1024) to run the whole comparison, end to end included, as it was.
@@ -34,10 +34,10 @@ import traceback
 import torch
 
 from eyas.commands.eval import build_engine
-from eyas.spec import graphs
-from eyas.spec.engine import SpecEngine
+from eyas.speculative import graphs
+from eyas.speculative.engine import SpecEngine
 from eyas.data.benchmarks import mtbench_questions
-from eyas.spec.bench import encode_turn, settings_of
+from eyas.speculative.bench import encode_turn, settings_of
 from eyas.target import load_target
 
 
@@ -187,7 +187,7 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=50)
     p.add_argument("--cpu", action="store_true", help="eager fp32 on the CPU: checks the script only")
     p.add_argument("--width-step", type=int, default=None,
-                   help="attended widths in steps of this many cache slots (default: eyas.spec.graphs.WIDTH_STEP)")
+                   help="attended widths in steps of this many cache slots (default: eyas.speculative.graphs.WIDTH_STEP)")
     p.add_argument("--profile", action="store_true",
                    help="also profile the plain step, the first setting's verify pass and its draft pass by operator")
     p.add_argument("--compile-draft", metavar="BACKEND", default=None,

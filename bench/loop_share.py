@@ -19,7 +19,7 @@ import argparse
 import json
 from pathlib import Path
 
-from eyas.spec.stats import repeat_split
+from eyas.speculative.stats import repeat_split
 
 
 def summarise(path: Path, n: int) -> dict:

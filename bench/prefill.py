@@ -28,8 +28,8 @@ import time
 
 import torch
 
-import eyas.spec.graphs as graphs
-from eyas.spec.engine import SpecEngine
+import eyas.speculative.graphs as graphs
+from eyas.speculative.engine import SpecEngine
 from eyas.target import load_target
 
 

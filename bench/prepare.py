@@ -68,7 +68,7 @@ def main() -> None:
         if args.conversations:
             src = tmp / "conv.jsonl"
             src.write_text("".join(json.dumps(r) + "\n" for r in synthetic(args.conversations)))
-            cfg = load_config("demo", ["data.regenerate=none", "data.max_length=4096", f"target.spec={args.target}"])
+            cfg = load_config("demo", ["data.regenerate=none", "data.max_length=4096", f"target.model={args.target}"])
             cfg.data.data = [str(src)]
             t0 = time.perf_counter()
             s = run_prepare(cfg, tmp / "out", target)
@@ -79,7 +79,7 @@ def main() -> None:
         if args.regen:
             cfg = load_config("demo", [f"data.num_prompts={args.regen}", "data.regenerate=local",
                                        f"data.regen_max_new_tokens={args.max_new_tokens}",
-                                       f"data.regen_batch_size={args.batch_size}", f"target.spec={args.target}"])
+                                       f"data.regen_batch_size={args.batch_size}", f"target.model={args.target}"])
             t0 = time.perf_counter()
             s = run_prepare(cfg, tmp / "regen", target)
             dt = time.perf_counter() - t0

@@ -44,11 +44,11 @@ import torch
 
 from eyas.commands.eval import build_engine
 from eyas.data.template import stop_token_ids
-from eyas.spec.accept import walk_greedy
-from eyas.spec.bench import encode_turn, load_bench, parse_tree
-from eyas.spec.drafting import Pool, Proposal, kept_order, select_tree, tree_pool
-from eyas.spec.stats import NgramIndex, matched, repeat_split
-from eyas.spec.target import Positions, causal_mask
+from eyas.speculative.accept import walk_greedy
+from eyas.speculative.bench import encode_turn, load_bench, parse_tree
+from eyas.speculative.drafting import Pool, Proposal, kept_order, select_tree, tree_pool
+from eyas.speculative.stats import NgramIndex, matched, repeat_split
+from eyas.speculative.target import Positions, causal_mask
 from eyas.target import load_target
 
 

@@ -49,7 +49,7 @@ BUILTIN_TARGETS = ("smollm2", *TINY_TARGETS)
 class TargetConfig:
     # a local HF directory, a hub id, a .gguf file, "smollm2" (the embedded default) or
     # "tiny" / "tiny-qwen2" / "tiny-moe" (random models built in code, for tests)
-    spec: str = "smollm2"
+    model: str = "smollm2"
     dtype: str = "auto"  # auto (bf16 on CUDA, fp32 on CPU) | fp32 | bf16 | fp16
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     # aux layer ids in the Hugging Face output_hidden_states convention (1..n-1);
@@ -57,8 +57,8 @@ class TargetConfig:
     aux_layers: list[int] | None = None
 
     def __post_init__(self):
-        if not self.spec.strip():
-            raise ConfigError("target.spec is empty; give a model directory, a hub id, a .gguf file, smollm2 or tiny")
+        if not self.model.strip():
+            raise ConfigError("target.model is empty; give a model directory, a hub id, a .gguf file, smollm2 or tiny")
         _one_of("target.dtype", self.dtype, ("auto", "fp32", "bf16", "fp16"))
         if not _DEVICE.fullmatch(self.device):
             raise ConfigError(f"target.device={self.device!r} is not valid; "
@@ -309,7 +309,7 @@ def tiny() -> RunConfig:
     """A random 4-layer Llama made in code: the whole pipeline in seconds, for tests."""
     return RunConfig(
         name="tiny",
-        target=TargetConfig(spec="tiny"),
+        target=TargetConfig(model="tiny"),
         # the tiny tokenizer is byte-level: a corpus prompt with the chat template is 200-700 tokens
         data=DataConfig(num_prompts=48, max_length=768, regenerate="local", regen_max_new_tokens=24,
                         regen_batch_size=16, draft_vocab=256),
@@ -324,7 +324,7 @@ def demo() -> RunConfig:
     """SmolLM2-135M-Instruct on CPU: a real draft end to end in about 12 minutes on 2 cores."""
     return RunConfig(
         name="demo",
-        target=TargetConfig(spec="smollm2"),
+        target=TargetConfig(model="smollm2"),
         data=DataConfig(num_prompts=200, max_length=384, regenerate="local", regen_max_new_tokens=80,
                         regen_batch_size=25, draft_vocab=4096),
         capture=CaptureConfig(dtype="bf16", shard_tokens=32768),
@@ -341,7 +341,7 @@ def full() -> RunConfig:
     """SmolLM2 on one GPU: 27,000 regenerated samples, a K = 7 draft, chains and a tree on two benchmarks."""
     return RunConfig(
         name="full",
-        target=TargetConfig(spec="smollm2"),
+        target=TargetConfig(model="smollm2"),
         # regeneration decodes 512 slots at once, each refilled as its row ends, one CUDA graph per step:
         # 48k new tokens/s on an H200 (docs/PERFORMANCE.md, eighth session).
         # A draft trained on 6,000 corpus prompts (made from Python docstrings) reached 0.49 first-token

@@ -113,9 +113,9 @@ def _store_mode(cfg: RunConfig) -> bool:
 
 
 def _target_files(cfg: RunConfig) -> list[str]:
-    """The target's files when target.spec is a local model directory or .gguf file: weights replaced there
+    """The target's files when target.model is a local model directory or .gguf file: weights replaced there
     make the stages that run the target stale. A hub id or a built-in name is named by the config alone."""
-    spec = cfg.target.spec
+    spec = cfg.target.model
     if spec in BUILTIN_TARGETS:
         return []
     path = Path(spec).expanduser()
@@ -129,7 +129,7 @@ def _regen_gpu(cfg: RunConfig) -> str:
 
 STAGES = (
     #     name       reads                   writes      depends on config                     gpus        commands
-    Stage("prepare", (),                     "prepared", ("target.spec", "target.dtype", "data"), _regen_gpu, _prepare,
+    Stage("prepare", (),                     "prepared", ("target.model", "target.dtype", "data"), _regen_gpu, _prepare,
           external=lambda cfg: [*cfg.data.data, *_target_files(cfg)]),
     Stage("capture", ("prepared",),          "store",    ("target", "capture"),                "all",      _capture,
           when=_store_mode, external=_target_files),
@@ -706,7 +706,7 @@ def eval_results(run: Path) -> list[dict]:
 
 def launch_lines(run: Path, cfg: RunConfig) -> dict[str, str]:
     """The export README's launch line per engine, else one built from REFERENCE.md section 6."""
-    target = "HuggingFaceTB/SmolLM2-135M-Instruct" if cfg.target.spec == "smollm2" else cfg.target.spec
+    target = "HuggingFaceTB/SmolLM2-135M-Instruct" if cfg.target.model == "smollm2" else cfg.target.model
     k = cfg.eval.steps[0] if cfg.eval.steps else 3
     lines = {
         "vllm": f"vllm serve {target} --speculative-config '{{\"model\": \"{run / 'export' / 'vllm'}\", "
@@ -754,7 +754,7 @@ def write_report(run: Path, cfg: RunConfig, state: dict) -> list[str]:
     """RUN/report.md; returns the short terminal summary."""
     from eyas.common import atomic_write_text, format_bytes
 
-    md = [f"# eyas run `{cfg.name}`", "", f"Target `{cfg.target.spec}`, run directory `{run}`.", "",
+    md = [f"# eyas run `{cfg.name}`", "", f"Target `{cfg.target.model}`, run directory `{run}`.", "",
           "| stage | status | wall time | throughput | devices |", "|---|---|---|---|---|"]
     summary = []
     for name, rec in state.items():
@@ -781,7 +781,7 @@ def write_report(run: Path, cfg: RunConfig, state: dict) -> list[str]:
         if (run / "train" / "curves.png").exists():
             md += ["", "![training curves](train/curves.png)"]
     rows = eval_results(run)
-    if rows:  # "repeated context": the 8 tokens before a cycle already stood in the answer (eyas.spec.stats)
+    if rows:  # "repeated context": the 8 tokens before a cycle already stood in the answer (eyas.speculative.stats)
         md += ["", "## Speculative decoding", "",
                "| benchmark-setting | tau | tau per request | tokens after a repeated context | tau elsewhere "
                "| n-gram lookup alone: tau | speedup |",

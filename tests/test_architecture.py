@@ -6,8 +6,8 @@ from pathlib import Path
 import eyas
 
 ROOT = Path(eyas.__file__).parent
-ORDER = ["config", "common", "data", "target", "store", "draft", "train", "spec", "export", "gpu", "pipeline", "cli"]
-MODEL_CODE = {"data", "target", "store", "draft", "train", "spec", "export"}
+ORDER = ["config", "common", "data", "target", "store", "draft", "train", "speculative", "export", "gpu", "pipeline", "cli"]
+MODEL_CODE = {"data", "target", "store", "draft", "train", "speculative", "export"}
 THIRD_PARTY_MODEL_CODE = {"torch", "transformers", "safetensors"}
 
 
@@ -65,7 +65,7 @@ def violations(root: Path = ROOT):
                 found.append(f"{where}: draft may import only config")
             if src == "train" and dst == "target":
                 found.append(f"{where}: train never imports target")
-            if src == "spec" and dst in ("train", "store"):
+            if src == "speculative" and dst in ("train", "store"):
                 found.append(f"{where}: spec never imports train or store")
             if src in ("gpu", "pipeline") and dst in MODEL_CODE:
                 found.append(f"{where}: gpu/pipeline import no model code")
@@ -84,12 +84,12 @@ def test_checker_catches_a_violation(tmp_path):
     shutil.copytree(ROOT, copy, ignore=shutil.ignore_patterns("__pycache__"))
     assert violations(copy) == []
     (copy / "draft" / "_probe_abs.py").write_text("from eyas.train import loop\n")
-    (copy / "draft" / "_probe_rel.py").write_text("from ..spec import engine\nfrom .. import store\n")
+    (copy / "draft" / "_probe_rel.py").write_text("from ..speculative import engine\nfrom .. import store\n")
     (copy / "gpu" / "_probe.py").write_text("import torch\n")
     (copy / "train" / "_probe.py").write_text("from ..target import load\n")
     found = violations(copy)
     assert any("_probe_abs.py:1 imports eyas.train: draft may not import train" in v for v in found), found
-    assert any("_probe_rel.py:1 imports eyas.spec: draft may not import spec" in v for v in found), found
+    assert any("_probe_rel.py:1 imports eyas.speculative: draft may not import spec" in v for v in found), found
     assert any("_probe_rel.py:2 imports eyas.store: draft may import only config" in v for v in found), found
     assert any("train/_probe.py:1 imports eyas.target: train never imports target" in v for v in found), found
     assert any("gpu/_probe.py:1 imports torch: gpu/pipeline must not import model code" in v for v in found), found

@@ -42,7 +42,7 @@ def test_a_list_may_be_written_as_yaml_writes_it():
     ("data.regen_temperature=-0.5", ["data.regen_temperature=-0.5", ">= 0"]),
     ("data.regen_timeout_s=0", ["data.regen_timeout_s=0", "> 0"]),
     ("target.device=gpu", ["target.device='gpu'", "auto, cpu, cuda, cuda:N"]),
-    ("target.spec=", ["target.spec is empty", "smollm2"]),
+    ("target.model=", ["target.model is empty", "smollm2"]),
     ("train.log_every=0", ["train.log_every=0", ">= 1"]),
     ("train.save_every=0", ["train.save_every=0", ">= 1"]),
     ("train.loss_decay=0", ["train.loss_decay=0.0", "(0, 1]"]),
@@ -87,7 +87,7 @@ def test_yaml_extends_a_preset(tmp_path):
     cfg = load_config(str(p), ["train.steps=4"])
     assert cfg.name == "mine" and cfg.train.steps == 4 and cfg.train.lr == 0.002
     assert cfg.eval.steps == [3, 5]
-    assert cfg.target.spec == "tiny"  # inherited from the preset
+    assert cfg.target.model == "tiny"  # inherited from the preset
 
 
 def test_yaml_errors_name_the_key(tmp_path):

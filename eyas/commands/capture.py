@@ -33,7 +33,7 @@ def config_from_args(args):
 
     sets = list(args.set)
     if args.target:
-        sets.append(f"target.spec={args.target}")
+        sets.append(f"target.model={args.target}")
     if args.layers:
         sets.append(f"target.aux_layers={args.layers}")
     if args.device:

@@ -1,7 +1,7 @@
 """`eyas eval`: speculative decoding with a trained draft on MT-bench, HumanEval or a JSONL of prompts.
 
 `evaluate(cfg, draft_path, out_dir, target=None)` is the same work as a Python call for the pipeline.
-The draft is loaded here (the top layer) because `eyas.export.load_draft` sits above `eyas.spec`.
+The draft is loaded here (the top layer) because `eyas.export.load_draft` sits above `eyas.speculative`.
 
 Besides one RESULT.json (+ .png) per benchmark and setting, the command keeps `summary.json` in the
 results' directory: the stage's own summary that the pipeline reads (`wall_s`, `tokens_per_s`) and the
@@ -70,7 +70,7 @@ def _config(args):
 
     sets = list(args.set)
     if args.target:
-        sets.append(f"target.spec={args.target}")
+        sets.append(f"target.model={args.target}")
     if args.bench:
         sets.append(f"eval.benches={','.join(args.bench)}")
     if args.tree is not None:
@@ -90,7 +90,7 @@ def _config(args):
 def _settings(args, cfg) -> list[tuple[str, dict]]:
     """--steps alone runs that chain only, --tree alone that tree only (the pipeline runs each setting as
     its own process), both run both, neither runs the config's eval.steps and eval.tree."""
-    from eyas.spec.bench import settings_of
+    from eyas.speculative.bench import settings_of
 
     if args.steps is None and args.tree is None:
         return settings_of(cfg.eval.steps, cfg.eval.tree)
@@ -122,7 +122,7 @@ def main(args) -> int:
     if out.suffix != ".json" or out.name == SUMMARY:
         raise EyasError(f"--out {out}: expected a path ending in .json (other than {SUMMARY}, which eval keeps "
                         f"beside the results)")
-    target = load_target(cfg.target.spec, device=cfg.target.device, dtype=cfg.target.dtype)
+    target = load_target(cfg.target.model, device=cfg.target.device, dtype=cfg.target.dtype)
     engine, info = build_engine(target, args.draft, cfg.target.aux_layers, cuda_graphs=cfg.eval.cuda_graphs,
                                 compile_draft=cfg.eval.compile_draft, require_compile=args.compile_draft)
     print0(f"target {target.name} ({target.device}, {target.dtype}) | draft {args.draft} | aux layers {info['aux']} | "
@@ -147,7 +147,7 @@ def run_benches(cfg, engine, target, info: dict, settings, draft: str, result_pa
     """Every benchmark of cfg.eval with every setting: RESULT.json + .png at `result_path(bench name,
     setting)`, merged into summary.json beside them. -> {bench name: {setting: summary}}."""
     from eyas.common import print0
-    from eyas.spec.bench import bench_name, bench_one
+    from eyas.speculative.bench import bench_name, bench_one
 
     results = {}
     for bench in cfg.eval.benches:
@@ -216,13 +216,13 @@ def update_summary(bench: str, summaries: dict, paths: dict, cfg, draft: str, si
 def evaluate(cfg, draft_path, out_dir, target=None, hf: bool | None = None) -> dict:
     """Run every benchmark x setting of `cfg.eval` with the draft at `draft_path` (a run, step or export
     dir); write `out_dir/<bench>-<setting>.json|.png` and `out_dir/summary.json`. -> {bench: {setting: summary}}."""
-    from eyas.spec.bench import settings_of
+    from eyas.speculative.bench import settings_of
     from eyas.target import load_target
 
     started = time.perf_counter()
     _set_threads(cfg.eval.threads)
     if target is None:
-        target = load_target(cfg.target.spec, device=cfg.target.device, dtype=cfg.target.dtype)
+        target = load_target(cfg.target.model, device=cfg.target.device, dtype=cfg.target.dtype)
     hf = cfg.eval.hf_baseline if hf is None else hf
     engine, meta = build_engine(target, draft_path, cfg.target.aux_layers, cuda_graphs=cfg.eval.cuda_graphs,
                                 compile_draft=cfg.eval.compile_draft)
@@ -239,7 +239,7 @@ def evaluate(cfg, draft_path, out_dir, target=None, hf: bool | None = None) -> d
 
 def weights_stamp(draft_path) -> str:
     """A short id of the draft's weight files (names, sizes, modification times): a draft retrained in place
-    gets a new one, so an interrupted eval's requests are not reused for it (eyas.spec.bench.RequestJournal)."""
+    gets a new one, so an interrupted eval's requests are not reused for it (eyas.speculative.bench.RequestJournal)."""
     from eyas.common import sha256_json
     from eyas.export.load import resolve_draft_dir
 
@@ -258,7 +258,7 @@ def build_engine(target, draft_path, aux_layers=None, cuda_graphs: bool = False,
     (asked for on the command line)."""
     from eyas.common import EyasError, warn
     from eyas.export import load_draft
-    from eyas.spec.engine import SpecEngine
+    from eyas.speculative.engine import SpecEngine
     from eyas.target import resolve_aux_layers
 
     static = cuda_graphs and target.device.type == "cuda"

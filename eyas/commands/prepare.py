@@ -70,7 +70,7 @@ def config_from_args(args):
 
     sets = list(args.set)
     if args.target:
-        sets.append(f"target.spec={args.target}")
+        sets.append(f"target.model={args.target}")
     sets += flag_overrides(args, "data", "format", "max_length", "on_long", "strict", "regenerate", "draft_vocab",
                            "num_prompts", "self_prompts")
     if args.data and args.regenerate is None and not any(x.startswith("data.regenerate=") for x in args.set):
@@ -96,7 +96,7 @@ def run_prepare(cfg, out_dir, target=None) -> dict:
     if target is None:
         from eyas.target import load_target
 
-        target = load_target(cfg.target.spec, device=cfg.target.device, dtype=cfg.target.dtype)
+        target = load_target(cfg.target.model, device=cfg.target.device, dtype=cfg.target.dtype)
     load_s = time.perf_counter() - t0
     summary = prepare(cfg, out_dir, target)
     atomic_write_json(Path(out_dir) / "summary.json", stage_summary(summary, time.perf_counter() - t0, load_s))

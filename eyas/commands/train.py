@@ -52,7 +52,7 @@ def config_from_args(args):
 
     sets = list(args.set)
     if args.target:
-        sets.append(f"target.spec={args.target}")
+        sets.append(f"target.model={args.target}")
     sets += flag_overrides(args, "train", "steps", "epochs", "ttt", "lr", "init_from")
     if args.steps is None and args.epochs is not None:
         sets.append("train.steps=0")
@@ -100,7 +100,7 @@ def store_training_source(cfg, args):
         raise EyasError(f"{store} is not a store (no manifest.json); create it with `eyas capture --data PREPARED --out {store}`")
     manifest = read_manifest(store)
     found = (manifest.get("target") or {}).get("name")
-    wanted = expected_target_name(cfg.target.spec)
+    wanted = expected_target_name(cfg.target.model)
     if found != wanted:
         raise EyasError(f"refusing to train on store {store}: it holds features of target {found!r} but the config's "
                         f"target is {wanted!r}; pass --target (or --config) matching the store")
@@ -130,7 +130,7 @@ class PreparedSamples:
 
 def online_training_source(cfg, args):
     from eyas.common import EyasError, world_size
-    from eyas.store.prepared import load_prepared_arrays
+    from eyas.data.prepared import load_prepared_arrays
     from eyas.target import load_target
     from eyas.target.capture import FeatureCapture
     from eyas.train.source import TrainSource, load_vocab_file
@@ -143,7 +143,7 @@ def online_training_source(cfg, args):
         import os
 
         device = f"cuda:{os.environ.get('LOCAL_RANK', '0')}" if _cuda() else "cpu"
-    target = load_target(cfg.target.spec, device=device, dtype=cfg.target.dtype)
+    target = load_target(cfg.target.model, device=device, dtype=cfg.target.dtype)
     features = FeatureCapture(target, cfg.target.aux_layers)
     vocab_path = Path(args.vocab) if args.vocab else Path(args.data) / "vocab.safetensors"
     d2t = t2d = None
@@ -153,7 +153,7 @@ def online_training_source(cfg, args):
         samples=PreparedSamples(prepared), lengths=[int(n) for n in prepared.lengths],
         embed_weight=target.embed_tokens.weight.detach(), lm_head_weight=target.lm_head.weight.detach(),
         target_config=target.config.to_dict(), target=target.identity, aux_layers=list(features.aux_layers),
-        d2t=d2t, t2d=t2d, feature_fn=features, store=None, target_spec=cfg.target.spec,
+        d2t=d2t, t2d=t2d, feature_fn=features, store=None, target_model=cfg.target.model,
     ), str(target.device)
 
 

@@ -24,7 +24,7 @@ def main(args) -> int:
         from eyas.store.manifest import read_manifest
         from eyas.target import load_target
 
-        spec = args.target or read_manifest(args.store).get("target_spec")
+        spec = args.target or read_manifest(args.store).get("target_model")
         target = load_target(spec, device=args.device, dtype="fp32")
     report = verify_store(args.store, target=target, num_samples=args.samples, seed=args.seed)
     print(f"{args.store}: {report['num_shards']} shards, {report['num_samples']:,} samples, "

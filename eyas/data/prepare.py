@@ -312,7 +312,7 @@ def prepare(cfg: RunConfig, out_dir: str | Path, target) -> dict:
     summary = {
         "source": source,
         "target": target.identity,
-        "target_spec": cfg.target.spec,
+        "target_model": cfg.target.model,
         "template_hash": hashlib.sha256(str(tok.chat_template).encode()).hexdigest()[:16],
         "tokenizer_hash": target.identity.get("tokenizer_hash"),
         "stop_token_ids": template.stop_ids,

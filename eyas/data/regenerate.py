@@ -128,7 +128,7 @@ class ResultsFile:
 # ---------------------------------------------------------------- batched generation
 
 def _kv_geometry(config) -> tuple[int, int, int]:
-    """(layers, kv heads, head dim) of a decoder config: the geometry of eyas.spec.target.cache_geometry,
+    """(layers, kv heads, head dim) of a decoder config: the geometry of eyas.speculative.target.cache_geometry,
     which this layer may not import."""
     heads = config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads

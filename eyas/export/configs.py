@@ -26,7 +26,7 @@ def serving_target(meta: dict) -> str | None:
     A checkpoint trained from a store records the target's name (a directory's basename), so a name that
     is neither known, a hub id nor an existing path falls back to the path the target was loaded from.
     """
-    spec = meta.get("target_spec")
+    spec = meta.get("target_model")
     if not spec or spec in NOT_SERVABLE:
         return None
     if spec in SERVABLE_NAMES:
@@ -135,8 +135,8 @@ def readme(fmt: str, draft_dir: str, meta: dict, aux_written: list[int], dtype: 
     lines = [
         f"# EAGLE-3 draft for {engine}",
         "",
-        f"Trained by eyas for the target **{ident.get('name', meta.get('target_spec'))}** "
-        f"(target spec `{meta.get('target_spec')}`, config hash `{ident.get('config_hash')}`, "
+        f"Trained by eyas for the target **{ident.get('name', meta.get('target_model'))}** "
+        f"(target spec `{meta.get('target_model')}`, config hash `{ident.get('config_hash')}`, "
         f"tokenizer hash `{ident.get('tokenizer_hash')}`). Serve it with exactly that target: "
         f"a different model, even a fine-tune of it, gives a draft that is rarely accepted.",
         "",
@@ -148,7 +148,7 @@ def readme(fmt: str, draft_dir: str, meta: dict, aux_written: list[int], dtype: 
         "",
     ]
     if target is None:
-        lines += [f"The target `{meta.get('target_spec')}` is a test model built in code; no engine can serve it. "
+        lines += [f"The target `{meta.get('target_model')}` is a test model built in code; no engine can serve it. "
                   f"For a real target the command is:", ""]
         target = "TARGET"
     lines += ["```bash", launch_command(fmt, target, draft_dir), "```", ""]

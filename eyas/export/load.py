@@ -74,8 +74,8 @@ def _target_facts(dj: dict) -> dict:
     sources = []
     if dj.get("store"):
         sources.append(Path(dj["store"]) / "manifest.json")
-    if dj.get("target_spec"):
-        sources.append(Path(str(dj["target_spec"])).expanduser() / "config.json")
+    if dj.get("target_model"):
+        sources.append(Path(str(dj["target_model"])).expanduser() / "config.json")
     for src in sources:
         if facts["num_layers"] and facts["architectures"]:
             break
@@ -96,7 +96,7 @@ def _meta_from_checkpoint(d: Path) -> tuple[dict, dict]:
         raise EyasError(f"{d / 'draft.json'}: no draft_config; the checkpoint is incomplete or not eyas's")
     facts = _target_facts(dj)
     meta = {"kind": "checkpoint", "aux_layers": dj.get("aux_layers"), "target": dj.get("target"),
-            "target_spec": dj.get("target_spec"), "features": dj.get("features", "fused"), "ttt": dj.get("ttt"),
+            "target_model": dj.get("target_model"), "features": dj.get("features", "fused"), "ttt": dj.get("ttt"),
             "num_layers": facts["num_layers"], "target_architectures": facts["architectures"],
             "target_name_or_path": facts["name_or_path"], "store": dj.get("store")}
     return dj["draft_config"], meta
@@ -159,11 +159,11 @@ def _meta_from_export(d: Path, cfg: dict, state: dict, weight_names: list[str]) 
         layer_cfg = dict(cfg["transformer_layer_config"])
         aux = cfg.get("eagle_aux_hidden_state_layer_ids")
         verifier = (cfg.get("speculators_config") or {}).get("verifier") or {}
-        target_spec, archs = verifier.get("name_or_path"), verifier.get("architectures")
+        target_model, archs = verifier.get("name_or_path"), verifier.get("architectures")
     else:
         layer_cfg = cfg
         aux = _aux_from_flat(cfg, source)
-        target_spec, archs = None, None
+        target_model, archs = None, None
     hidden = int(layer_cfg["hidden_size"])
     if int(cfg.get("target_hidden_size") or hidden) != hidden:
         raise EyasError(f"{source}: target_hidden_size {cfg['target_hidden_size']} != draft hidden_size {hidden}; "
@@ -175,7 +175,7 @@ def _meta_from_export(d: Path, cfg: dict, state: dict, weight_names: list[str]) 
         layer_cfg, draft_vocab_size=int(cfg.get("draft_vocab_size") or vocab),
         num_aux_layers=_num_aux(state, hidden, source)).to_dict()
     meta = {"kind": "speculators" if speculators else "flat", "aux_layers": list(aux) if aux else None,
-            "target": None, "target_spec": target_spec, "features": "fused", "ttt": None, "num_layers": None,
+            "target": None, "target_model": target_model, "features": "fused", "ttt": None, "num_layers": None,
             "target_architectures": archs, "target_name_or_path": None, "store": None}
     side = d / "eyas.json"  # written by eyas's exporter next to config.json: the exact draft config and target
     if side.is_file():
@@ -186,7 +186,7 @@ def _meta_from_export(d: Path, cfg: dict, state: dict, weight_names: list[str]) 
                             f"{ej.get('aux_layers')}; one of them was edited")
         draft_cfg = ej.get("draft_config", draft_cfg)
         meta.update(kind=ej.get("format", meta["kind"]), aux_layers=ej.get("aux_layers"), target=ej.get("target"),
-                    target_spec=ej.get("target_spec", target_spec), features=ej.get("features", "fused"),
+                    target_model=ej.get("target_model", target_model), features=ej.get("features", "fused"),
                     ttt=ej.get("ttt"), num_layers=ej.get("target_num_layers"),
                     target_architectures=ej.get("target_architectures", archs),
                     target_name_or_path=ej.get("target_name_or_path"))
@@ -197,7 +197,7 @@ def load_draft(path: str | Path, embed_tokens=None):
     """(Eagle3Draft in fp32 on CPU, eval mode; meta dict). See the module doc for what `path` may be.
 
     meta: kind, path, aux_layers (HF ids or None if the source does not say), target (identity dict or
-    None for foreign checkpoints), target_spec, features, ttt, num_layers, target_architectures,
+    None for foreign checkpoints), target_model, features, ttt, num_layers, target_architectures,
     has_embed, draft_config. Without an embedding in the file and without `embed_tokens` (the
     target's [V, H] embedding), the draft's embedding is NaN so that forgetting it cannot go unnoticed.
     """

@@ -121,7 +121,7 @@ def _write_one(fmt: str, final: Path, state: dict, meta: dict, dtype: str) -> Pa
             "schema_version": SCHEMA_VERSION, "format": fmt, "dtype": dtype,
             "aux_layers": aux, "aux_layers_written": written,
             "aux_layers_convention": "sglang (HF - 1)" if fmt == "sglang" else "hf",
-            "target": meta.get("target"), "target_spec": meta.get("target_spec"),
+            "target": meta.get("target"), "target_model": meta.get("target_model"),
             "target_num_layers": meta.get("num_layers"), "target_architectures": meta.get("target_architectures"),
             "target_name_or_path": meta.get("target_name_or_path"),
             "features": meta.get("features"), "ttt": meta.get("ttt"), "draft_config": dc,

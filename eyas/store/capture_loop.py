@@ -26,7 +26,7 @@ from eyas.store.codec import bytes_per_token, encode, parts, state_layout
 from eyas.store.manifest import HEAD_FILE, MANIFEST, RESUME_KEYS, RESUME_KEYS_SINCE, SCHEMA_VERSION, SUMMARY
 from eyas.store.manifest import committed_shards
 from eyas.store.manifest import differing_keys, nonfinite_ids, read_manifest, write_manifest
-from eyas.store.prepared import Prepared, load_prepared_arrays
+from eyas.data.prepared import Prepared, load_prepared_arrays
 from eyas.store.shardfile import write_shard_file
 from eyas.store.staging import ShardBuffer
 from eyas.store.writer import ShardJob, ShardWriter
@@ -138,7 +138,7 @@ def new_manifest(cfg, target, features: FeatureCapture, prepared: Prepared, shar
     return {
         "schema_version": SCHEMA_VERSION,
         "target": target.identity,
-        "target_spec": cfg.target.spec,
+        "target_model": cfg.target.model,
         "target_config": json.loads(target.config.to_json_string(use_diff=False)),
         "num_layers": target.num_layers,
         "hidden_size": target.hidden_size,
@@ -265,7 +265,7 @@ def capture(cfg, prepared_dir, store_dir, target=None) -> dict:
             device = cfg.target.device
             if world > 1 and device == "auto" and torch.cuda.is_available():
                 device = f"cuda:{local_rank}"
-            target = load_target(cfg.target.spec, device=device, dtype=cfg.target.dtype)
+            target = load_target(cfg.target.model, device=device, dtype=cfg.target.dtype)
         return _capture(cfg, prepared, Path(store_dir), target, rank, world)
     finally:
         if owned:

@@ -149,7 +149,7 @@ def recompute(store: Path, manifest: dict, target, num_samples: int, seed: int =
 
 def _prepared_rows(manifest: dict):
     """(prepared data, {sample_id: row}) the store was made from, when still there and unchanged."""
-    from eyas.store.prepared import load_prepared_arrays
+    from eyas.data.prepared import load_prepared_arrays
 
     info = manifest.get("prepared") or {}
     if not info.get("path") or not (Path(info["path"]) / "dataset").is_dir():
@@ -170,7 +170,7 @@ def verify_store(store: str | Path, target=None, num_samples: int = 4, seed: int
         if target is None:
             from eyas.target import load_target
 
-            spec = manifest.get("target_spec")
+            spec = manifest.get("target_model")
             if not spec:
                 raise EyasError(f"{store} does not name its target; pass --target")
             target = load_target(spec, device="auto", dtype="fp32")  # the reference is always fp32

@@ -148,7 +148,7 @@ def init_draft(init: tuple[Eagle3Draft, dict], path: str, source: TrainSource, f
 def draft_meta(draft: Eagle3Draft, source: TrainSource, cfg: RunConfig) -> dict:
     return {"draft_config": draft.cfg.to_dict(), "aux_layers": feature_layers(source, cfg.train.features),
             "features": cfg.train.features,
-            "target": source.target, "target_spec": source.target_spec, "store": source.store, "ttt": cfg.train.ttt,
+            "target": source.target, "target_model": source.target_model, "store": source.store, "ttt": cfg.train.ttt,
             "target_num_layers": source.num_layers, "init_from": cfg.train.init_from or None,
             "target_architectures": source.target_config.get("architectures")}
 

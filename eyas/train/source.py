@@ -34,7 +34,7 @@ class TrainSource:
     t2d: torch.Tensor | None = None  # [V]
     feature_fn: Callable | None = None
     store: str | None = None
-    target_spec: str | None = None
+    target_model: str | None = None
     num_layers: int | None = None  # the target's decoder layers (exporters need it); None = from target_config
     tail: "GrowingStore | None" = None  # set when training consumes a store while it is being captured
     extra: dict = field(default_factory=dict)
@@ -239,6 +239,6 @@ def store_source(store: str | Path, expect: dict | None = None, vocab: str | Pat
         samples=samples, lengths=lengths, embed_weight=embed, lm_head_weight=lm_head,
         target_config=manifest.get("target_config") or {}, target=manifest.get("target"),
         aux_layers=list(manifest["aux_layers"]), d2t=d2t, t2d=t2d, store=str(store),
-        target_spec=(manifest.get("target") or {}).get("name"), num_layers=manifest.get("num_layers"),
+        target_model=(manifest.get("target") or {}).get("name"), num_layers=manifest.get("num_layers"),
         tail=growing,
     )

@@ -31,14 +31,14 @@ def random_draft(target_config: dict, draft_vocab: int, num_aux: int = 3, seed: 
     return draft.eval()
 
 
-def write_checkpoint(run_dir, draft: Eagle3Draft, aux_layers, target_identity, target_spec, **extra):
+def write_checkpoint(run_dir, draft: Eagle3Draft, aux_layers, target_identity, target_model, **extra):
     """RUN_DIR/step-0000010/{model.safetensors, draft.json} and RUN_DIR/latest -> it."""
     step = run_dir / "step-0000010"
     step.mkdir(parents=True)
     state = {k: v.contiguous() for k, v in draft.state_dict().items() if k != "embed_tokens.weight"}
     save_file(state, str(step / "model.safetensors"))
     doc = {"draft_config": draft.cfg.to_dict(), "aux_layers": aux_layers, "features": "fused",
-           "target": target_identity, "target_spec": target_spec, "store": None, "ttt": 3, **extra}
+           "target": target_identity, "target_model": target_model, "store": None, "ttt": 3, **extra}
     (step / "draft.json").write_text(json.dumps(doc, indent=2))
     os.symlink(step.name, run_dir / "latest")
     return run_dir

@@ -21,7 +21,7 @@ pytestmark = pytest.mark.gpu
 
 
 def _cfg(spec, writer_threads=0, **capture_):
-    cfg = load_config("tiny", [f"target.spec={spec}", "target.device=cuda"]
+    cfg = load_config("tiny", [f"target.model={spec}", "target.device=cuda"]
                       + [f"capture.{k}={v}" for k, v in capture_.items()])
     if writer_threads:
         cfg.capture.writer_threads = writer_threads

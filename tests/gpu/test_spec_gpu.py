@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from eyas.spec.engine import SpecEngine
-from eyas.spec.oracle import ScriptedDraft, untrained_draft
+from eyas.speculative.engine import SpecEngine
+from eyas.speculative.oracle import ScriptedDraft, untrained_draft
 from eyas.target import load_target, resolve_aux_layers
 
 pytestmark = pytest.mark.gpu
@@ -61,7 +61,7 @@ def test_no_sync_timing_is_lossless_and_plain_matches_generate_cuda():
 def test_cuda_graphs_lossless_and_same_as_eager_static():
     """The static path replayed as CUDA graphs: plain, chains and trees give the target's greedy tokens
     (fp32), the same cycles as the same passes run eagerly, and a longer prompt grows the decoder once."""
-    from eyas.spec.graphs import GraphDecoder
+    from eyas.speculative.graphs import GraphDecoder
 
     target = load_target("smollm2", device="cuda", dtype="fp32")
     aux = resolve_aux_layers(None, target.num_layers)
@@ -89,7 +89,7 @@ def test_cuda_graphs_on_the_tiny_target():
     """Capture and replay on the random tiny Llama (no model file needed): in fp32, plain, chain and tree
     decoding with graphs give the dynamic engine's greedy tokens; in bf16 (near-ties on a random model may flip
     between differently shaped kernels) they give exactly what the same passes give run eagerly."""
-    from eyas.spec.graphs import GraphDecoder
+    from eyas.speculative.graphs import GraphDecoder
 
     for dtype in ("fp32", "bf16"):
         target = load_target("tiny", device="cuda", dtype=dtype)
@@ -114,7 +114,7 @@ def test_a_pass_that_waits_for_the_host_fails_capture_with_the_way_out():
     """A pass that reads a tensor on the host cannot be captured; the error names the pass and the eager
     fallback the user can choose (no silent one)."""
     from eyas.common import EyasError
-    from eyas.spec.graphs import _Step
+    from eyas.speculative.graphs import _Step
 
     x = torch.arange(4, device="cuda")
     out = torch.zeros((), dtype=torch.long, device="cuda")
@@ -130,7 +130,7 @@ def test_cuda_graphs_over_narrow_attended_widths(monkeypatch):
     """With a width step of 32 slots a generation of 64 tokens after a 39-token prompt replays the graphs of
     four widths, all captured into one shared memory pool: graphed decoding must still give exactly what
     the same passes give eagerly (fp32: the target's greedy tokens)."""
-    import eyas.spec.graphs as graphs
+    import eyas.speculative.graphs as graphs
 
     monkeypatch.setattr(graphs, "WIDTH_STEP", 32)
     target = load_target("tiny", device="cuda", dtype="fp32")
@@ -153,7 +153,7 @@ def test_graphed_padded_prefills_equal_the_eager_prefill(monkeypatch):
     """Prompts of 5 to 130 tokens prefilled by graphs of 64, 128 and 192 tokens (padding after the prompt)
     on the SmolLM2 target in fp32: tokens and acceptance equal the eager prefill at the prompt's own
     length, and one graph serves every prompt of its padded length."""
-    import eyas.spec.graphs as graphs
+    import eyas.speculative.graphs as graphs
 
     target = load_target("smollm2", device="cuda", dtype="fp32")
     aux = resolve_aux_layers(None, target.num_layers)
@@ -178,7 +178,7 @@ def test_graphed_cycles_with_the_draft_pass_compiled(monkeypatch):
     over several attended widths (passed on an H200, thirteenth session)."""
     import torch._dynamo as dynamo
 
-    import eyas.spec.graphs as graphs
+    import eyas.speculative.graphs as graphs
 
     monkeypatch.setattr(graphs, "WIDTH_STEP", 32)
     target = load_target("tiny", device="cuda", dtype="fp32")

@@ -348,7 +348,7 @@ def test_target_weights_replaced_in_place_rerun_the_stages_that_run_it(tmp_path)
     run, record = tmp_path / "run", tmp_path / "record.jsonl"
     stage = dataclasses.replace(fake_stage("a", "a", ["--record", str(record)], config=["target"]),
                                 external=_target_files)
-    cfg = load_config("tiny", [f"target.spec={model}"])
+    cfg = load_config("tiny", [f"target.model={model}"])
     assert _target_files(cfg) == [str(model)] and _target_files(load_config("tiny")) == []
     run_pipeline(cfg, run, QUIET, (stage,))
     run_pipeline(cfg, run, QUIET, (stage,))

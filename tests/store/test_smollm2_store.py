@@ -4,7 +4,7 @@ import torch
 
 from eyas.config import load_config
 from eyas.store import StoreReader, capture
-from eyas.store.prepared import load_prepared_arrays
+from eyas.data.prepared import load_prepared_arrays
 from store_helpers import make_prepared
 
 

@@ -9,7 +9,7 @@ from safetensors.torch import load_file
 
 from eyas.common import EyasError
 from eyas.store import StoreReader, capture
-from eyas.store.prepared import load_prepared_arrays
+from eyas.data.prepared import load_prepared_arrays
 from eyas.target.capture import FeatureCapture
 
 from store_helpers import make_prepared, tiny_cfg

@@ -43,7 +43,7 @@ def synthetic_source(num_samples: int = 24, seed: int = 0) -> TrainSource:
     return TrainSource(samples=samples, lengths=[len(s["input_ids"]) for s in samples], embed_weight=embed,
                        lm_head_weight=lm_head, target_config=TARGET_CONFIG,
                        target={"name": "synthetic", "config_hash": "0", "tokenizer_hash": "0"},
-                       aux_layers=[1, 2, 3], d2t=d2t, t2d=t2d, target_spec="synthetic")
+                       aux_layers=[1, 2, 3], d2t=d2t, t2d=t2d, target_model="synthetic")
 
 
 class SlowSamples(list):

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from eyas.cli import main
-from eyas.spec.bench import load_bench
+from eyas.speculative.bench import load_bench
 
 
 def save_step_dir(path, target, seed=0):
@@ -25,7 +25,7 @@ def save_step_dir(path, target, seed=0):
     save_file(state, str(path / "model.safetensors"))
     (path / "draft.json").write_text(json.dumps({"draft_config": cfg.to_dict(), "aux_layers": aux,
                                                  "features": "fused", "target": target.identity,
-                                                 "target_spec": "tiny", "store": None, "ttt": 3}))
+                                                 "target_model": "tiny", "store": None, "ttt": 3}))
     return path
 
 
@@ -52,14 +52,14 @@ def test_eval_cli_on_jsonl(tmp_path, tiny_target, capsys):
     # 6-token answers hold no 8-token context: every cycle is outside repeats
     assert s["repeat_token_share"] == 0 and s["tau_in_repeats"] is None and s["tau_elsewhere"] >= 1
     # n-gram lookup with the setting's 2 tokens over the same contexts and tokens (plain decoding's: no mismatch)
-    from eyas.spec.stats import ngram_accepted
+    from eyas.speculative.stats import ngram_accepted
 
     guessed = [a for p in doc["prompts"] for t in p["turns"] for a in ngram_accepted(t["prompt_ids"], t["tokens"], 2)]
     assert s["ngram_k"] == 2 and s["ngram_tau"] == pytest.approx((sum(guessed) + len(guessed)) / len(guessed))
     printed = capsys.readouterr().out
     assert "tau" in printed and "speedup" in printed and "n-gram lookup alone (2 tokens a cycle" in printed
     # the file alone is enough to check losslessness: its context ids, decoded plainly, give its tokens
-    from eyas.spec.engine import SpecEngine
+    from eyas.speculative.engine import SpecEngine
 
     plain = SpecEngine(tiny_target.model)
     for t in (t for p in doc["prompts"] for t in p["turns"]):
@@ -217,7 +217,7 @@ def test_an_interrupted_eval_keeps_its_requests_and_a_rerun_decodes_only_the_res
                                                                                   capsys):
     from eyas.commands.eval import evaluate
     from eyas.config import load_config
-    from eyas.spec.engine import SpecEngine
+    from eyas.speculative.engine import SpecEngine
 
     step = save_step_dir(tmp_path / "step", tiny_target)
     bench = tmp_path / "p.jsonl"
@@ -265,7 +265,7 @@ def test_an_interrupted_eval_keeps_its_requests_and_a_rerun_decodes_only_the_res
 def test_eval_prompts_take_the_data_template_variables():
     """data.chat_template_kwargs (e.g. enable_thinking false for Qwen3) reach the eval's prompts too, so that the
     draft is measured on the prompts it was trained for."""
-    from eyas.spec.bench import encode_turn
+    from eyas.speculative.bench import encode_turn
     from eyas.target.tiny import make_tiny_tokenizer
 
     tok = make_tiny_tokenizer()

@@ -1,10 +1,10 @@
-"""eyas.spec.stats.repeat_split (eval summaries) and bench/loop_share.py: cycles split by whether their
+"""eyas.speculative.stats.repeat_split (eval summaries) and bench/loop_share.py: cycles split by whether their
 context repeats earlier output."""
 
 import importlib.util
 from pathlib import Path
 
-from eyas.spec.stats import NgramIndex, format_summary, ngram_accepted, ngram_summary, repeat_summary, repeat_split
+from eyas.speculative.stats import NgramIndex, format_summary, ngram_accepted, ngram_summary, repeat_summary, repeat_split
 
 _spec = importlib.util.spec_from_file_location("loop_share", Path(__file__).resolve().parents[2] / "bench" / "loop_share.py")
 loop_share = importlib.util.module_from_spec(_spec)
@@ -49,7 +49,7 @@ def test_eval_summaries_carry_the_split_and_print_it():
 
 
 def test_without_repeats_tau_elsewhere_is_tau_pooled():
-    from eyas.spec.stats import summarize
+    from eyas.speculative.stats import summarize
 
     turns = [{"tokens": list(range(20)), "accepted": [2, 0, 3, 1, 4, 2, 5]}]  # the last cycle cut at 20 tokens
     stats = [{"accepted": t["accepted"], "num_tokens": 20, "draft_s": 0, "verify_s": 0, "prefill_s": 0,

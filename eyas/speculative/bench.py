@@ -15,8 +15,8 @@ import time
 from pathlib import Path
 
 from eyas.common import EyasError, atomic_write_json, print0, progress, sha256_json
-from eyas.spec.engine import SpecEngine
-from eyas.spec.stats import format_summary, ngram_summary, plot_acceptance, repeat_summary, summarize
+from eyas.speculative.engine import SpecEngine
+from eyas.speculative.stats import format_summary, ngram_summary, plot_acceptance, repeat_summary, summarize
 
 BUILTIN = ("mt-bench", "humaneval")
 

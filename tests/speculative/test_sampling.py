@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from eyas.spec.accept import accept_greedy, sample_node
-from eyas.spec.engine import SpecEngine
-from eyas.spec.oracle import ScriptedDraft
+from eyas.speculative.accept import accept_greedy, sample_node
+from eyas.speculative.engine import SpecEngine
+from eyas.speculative.oracle import ScriptedDraft
 
 PROMPT = [1, 72, 101, 108, 108, 111, 2]
 

@@ -12,6 +12,6 @@ position acceptance, plot), bench.py (MT-bench, HumanEval, JSONL; baselines; res
 oracle.py (scripted drafts for tests and the engine's ceiling). `eyas eval` is eyas/commands/eval.py.
 """
 
-from eyas.spec.engine import GenResult, SpecEngine
+from eyas.speculative.engine import GenResult, SpecEngine
 
 __all__ = ["SpecEngine", "GenResult"]

@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from eyas.spec.engine import SpecEngine
+from eyas.speculative.engine import SpecEngine
 from eyas.target import resolve_aux_layers
-from eyas.spec.oracle import ScriptedDraft, untrained_draft
+from eyas.speculative.oracle import ScriptedDraft, untrained_draft
 
 QUESTIONS = ["What is the capital of France?", "Write a haiku about rain.", "List three prime numbers."]
 NEW = 12

@@ -7,9 +7,9 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from eyas.spec.engine import SpecEngine
-from eyas.spec.oracle import untrained_draft
-from eyas.spec.target import Positions, causal_mask
+from eyas.speculative.engine import SpecEngine
+from eyas.speculative.oracle import untrained_draft
+from eyas.speculative.target import Positions, causal_mask
 
 PROMPT = [1, 72, 101, 108, 108, 111, 32, 119, 111, 114, 108, 100, 2]
 READS = {"tolist", "item", "__int__", "__float__", "__bool__", "__index__"}
@@ -141,7 +141,7 @@ def test_fixed_shape_passes_never_wait_for_the_host(tiny_target, setting, monkey
     eagerly under a dispatcher watch: none may read a tensor on the host or size an output by its data. On
     the H200 a tree's verify pass once indexed with a 0-dim tensor and the capture failed; this catches it
     on the CPU."""
-    from eyas.spec import graphs
+    from eyas.speculative import graphs
 
     watch = SyncOps()
     passes = []

@@ -1,8 +1,8 @@
 """Speculative-decoding engine costs on a target: plain decoding vs transformers generate, the verify
 pass as a function of its width, and chain/tree decoding with an untrained and an oracle draft.
 
-    python bench/spec.py                          # SmolLM2 on CPU (fp32), 3 MT-bench-like prompts, 48 tokens
-    python bench/spec.py --device cuda --new-tokens 256 --steps 3,5,7 --tree 10,8,60
+    python bench/speculative.py                          # SmolLM2 on CPU (fp32), 3 MT-bench-like prompts, 48 tokens
+    python bench/speculative.py --device cuda --new-tokens 256 --steps 3,5,7 --tree 10,8,60
 
 An untrained draft accepts nothing, so its row is the engine's overhead (draft + wider verify per token).
 The oracle draft proposes the target's own greedy tokens (tau = k + 1): its row is the ceiling the engine
@@ -17,10 +17,10 @@ import time
 
 import torch
 
-from eyas.spec.bench import encode_turn, parse_tree
-from eyas.spec.engine import SpecEngine
-from eyas.spec.oracle import ScriptedDraft, untrained_draft
-from eyas.spec.target import TargetRunner, causal_mask
+from eyas.speculative.bench import encode_turn, parse_tree
+from eyas.speculative.engine import SpecEngine
+from eyas.speculative.oracle import ScriptedDraft, untrained_draft
+from eyas.speculative.target import TargetRunner, causal_mask
 from eyas.target import load_target, resolve_aux_layers
 
 PROMPTS = ["Explain in a few sentences why the sky is blue.",
@@ -109,7 +109,7 @@ def main(argv=None) -> int:
             y = target.model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=new, min_new_tokens=new,
                                       do_sample=False, pad_token_id=tok.pad_token_id)
         sync(dev)
-        from eyas.spec.engine import GenResult
+        from eyas.speculative.engine import GenResult
 
         return GenResult(tokens=y[0, x.shape[1]:].tolist(), total_s=time.perf_counter() - t0)
 

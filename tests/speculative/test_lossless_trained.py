@@ -14,7 +14,7 @@ import time
 import pytest
 import torch
 
-from eyas.spec.engine import SpecEngine
+from eyas.speculative.engine import SpecEngine
 
 QUESTIONS = [
     "What is the capital of France?",
@@ -90,7 +90,7 @@ def trained(smollm2, tmp_path_factory):
         samples=samples, lengths=[len(s["input_ids"]) for s in samples],
         embed_weight=smollm2.embed_tokens.weight.detach(), lm_head_weight=smollm2.lm_head.weight.detach(),
         target_config=smollm2.config.to_dict(), target=smollm2.identity, aux_layers=list(capture.aux_layers),
-        d2t=vocab["d2t"], t2d=vocab["t2d"], target_spec="smollm2")
+        d2t=vocab["d2t"], t2d=vocab["t2d"], target_model="smollm2")
     t_cap = time.perf_counter()
 
     longest = max(source.lengths)
@@ -173,7 +173,7 @@ def test_static_path_with_narrow_attended_widths(smollm2, trained, setting, monk
     slot a pass may touch. With a width step of 4 slots a generation crosses several widths, in the
     target's and the draft's attention alike: tokens, acceptance per cycle and tree depths must stay those
     of the dynamic engine (a width too narrow would hide committed slots from the target or the draft)."""
-    import eyas.spec.graphs as graphs
+    import eyas.speculative.graphs as graphs
 
     monkeypatch.setattr(graphs, "WIDTH_STEP", 4)
     dynamic = SpecEngine(smollm2.model, trained["draft"], trained["aux"])
@@ -203,7 +203,7 @@ def test_static_path_with_padded_prefills(smollm2, trained, step, monkeypatch):
     padding's cache entries lie after the committed length, in the target's and the draft's cache, and
     must never be seen. Tokens, acceptance per cycle and the target tokens counted must equal those of
     the eager prefill at the prompt's own length (PREFILL_STEP = 0) and of the dynamic engine."""
-    import eyas.spec.graphs as graphs
+    import eyas.speculative.graphs as graphs
 
     dynamic = SpecEngine(smollm2.model, trained["draft"], trained["aux"])
     for prompt, answer in list(zip(trained["prompts"], trained["answers"]))[:2 if step < 1024 else 1]:
@@ -233,7 +233,7 @@ def test_static_path_with_the_draft_pass_compiled(smollm2, trained, monkeypatch)
     import torch._dynamo as dynamo
     from torch._dynamo.backends.registry import lookup_backend
 
-    import eyas.spec.graphs as graphs
+    import eyas.speculative.graphs as graphs
 
     monkeypatch.setattr(graphs, "WIDTH_STEP", 4)
     prompt = trained["prompts"][0]

@@ -2,9 +2,9 @@
 
 import pytest
 
-from eyas.spec.engine import SpecEngine
+from eyas.speculative.engine import SpecEngine
 from eyas.target import resolve_aux_layers
-from eyas.spec.oracle import ScriptedDraft, always_wrong, untrained_draft
+from eyas.speculative.oracle import ScriptedDraft, always_wrong, untrained_draft
 
 PROMPT = [1, 72, 101, 108, 108, 111, 32, 119, 111, 114, 108, 100, 2]
 
@@ -169,7 +169,7 @@ def test_a_draft_compile_past_the_recompile_limit_is_a_clear_error(tiny_target, 
     cannot fall back to eager and raises an error that is no TorchDynamoException: it too becomes an EyasError."""
     import torch._dynamo as dynamo
 
-    import eyas.spec.graphs as graphs
+    import eyas.speculative.graphs as graphs
     from eyas.common import EyasError
 
     dynamo.reset()
@@ -188,7 +188,7 @@ def test_the_static_trees_argsort_is_stable_like_torch_sort():
     a stable sort does, ties (equal scores, repeated depths, -inf log-probs) in index order."""
     import torch
 
-    from eyas.spec.graphs import _stable_order
+    from eyas.speculative.graphs import _stable_order
 
     g = torch.Generator().manual_seed(0)
     cases = [torch.randint(0, 5, (40,), generator=g).float(), torch.randn(328, generator=g),
@@ -206,9 +206,9 @@ def test_eager_passes_of_varying_shape_leave_cudnn_out(tiny_target, monkeypatch)
 
     import torch
 
-    import eyas.spec.engine as engine_module
-    import eyas.spec.graphs as graphs
-    from eyas.spec.target import varying_shape_attention
+    import eyas.speculative.engine as engine_module
+    import eyas.speculative.graphs as graphs
+    from eyas.speculative.target import varying_shape_attention
 
     with varying_shape_attention():
         assert not torch.backends.cuda.cudnn_sdp_enabled()

@@ -25,10 +25,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from eyas.spec.accept import accept_sample, sample_token, walk_greedy
-from eyas.spec.drafting import crop_cache, draft_chain, draft_tree
-from eyas.spec.graphs import GraphDecoder, chain_capacity, plain_capacity, tree_capacity
-from eyas.spec.target import Positions, TargetRunner, tree_mask, varying_shape_attention
+from eyas.speculative.accept import accept_sample, sample_token, walk_greedy
+from eyas.speculative.drafting import crop_cache, draft_chain, draft_tree
+from eyas.speculative.graphs import GraphDecoder, chain_capacity, plain_capacity, tree_capacity
+from eyas.speculative.target import Positions, TargetRunner, tree_mask, varying_shape_attention
 
 
 @dataclass

@@ -61,7 +61,7 @@ import torch
 from eyas.common import EyasError, capture_cuda_graph
 from eyas.draft.cache import DraftCache
 from eyas.draft.model import DraftOutput
-from eyas.spec.target import KVCache, TargetRunner, cache_geometry, varying_shape_attention
+from eyas.speculative.target import KVCache, TargetRunner, cache_geometry, varying_shape_attention
 
 
 WIDTH_STEP = 256  # attended widths are the multiples of this up to the capacity (and the capacity)
