@@ -27,7 +27,8 @@ import torch
 
 from eyas.speculative.accept import accept_sample, sample_token, walk_greedy
 from eyas.speculative.drafting import crop_cache, draft_chain, draft_tree
-from eyas.speculative.graphs import GraphDecoder, chain_capacity, plain_capacity, tree_capacity
+from eyas.speculative.graphs import GraphDecoder
+from eyas.speculative.static_cache import chain_capacity, plain_capacity, tree_capacity
 from eyas.speculative.target import Positions, TargetRunner, tree_mask, varying_shape_attention
 
 
@@ -61,6 +62,29 @@ def _cut(tokens: list[int], max_new: int, eos: set[int]) -> list[int]:
         if t in eos:
             break
     return out
+
+
+def _accept(logits: torch.Tensor, steps: int | None, proposal, temperature: float, generator):
+    """The verified cycle's accepted path: proposal is a chain's `steps` drafted tokens (on the device) or,
+    steps None, a tree's proposal -> (proposed tokens, path, bonus token, best); best is the target's argmax
+    [k + 1] of a greedy chain, whose rebuild feeds those rows as they are, else None."""
+    best = None
+    if steps is not None:
+        if temperature > 0:
+            tokens, parents = proposal.tolist(), list(range(-1, steps - 1))
+        else:
+            best = logits.argmax(-1)  # [k + 1]
+            both = torch.cat([proposal, best]).tolist()  # the cycle's one read of the device
+            tokens, parents = both[:steps], list(range(-1, steps - 1))
+    else:
+        tokens, parents = proposal.tokens, proposal.parents
+    if temperature > 0:
+        path, bonus = accept_sample(logits, tokens, parents, temperature, generator)
+    elif best is not None:
+        path, bonus = walk_greedy(both[steps:], tokens, parents)
+    else:
+        path, bonus = walk_greedy(logits.argmax(-1).tolist(), tokens, parents)
+    return tokens, path, bonus, best
 
 
 class SpecEngine:
@@ -188,33 +212,20 @@ class SpecEngine:
                 big_n = cache.length
                 t1 = time.perf_counter()
                 if steps is not None:
-                    drafted, dcache, fed = draft_chain(self.draft, dcache, hidden, dlogits, pos.at(big_n, steps), steps)
-                    feed = torch.cat([pending_dev, drafted]).view(1, -1)
+                    proposal, dcache, fed = draft_chain(self.draft, dcache, hidden, dlogits, pos.at(big_n, steps),
+                                                        steps)
+                    feed = torch.cat([pending_dev, proposal]).view(1, -1)
                     positions, mask = pos.at(big_n, steps + 1), pos.causal(big_n, steps + 1)
                 else:
-                    prop, dcache = draft_tree(self.draft, dcache, hidden, dlogits, pos.at(big_n, tree[1]), *tree, d2t=d2t)
-                    fed = prop.num_fed
-                    feed, positions, mask = self._tree_inputs(pending, prop, big_n, pos)
+                    proposal, dcache = draft_tree(self.draft, dcache, hidden, dlogits, pos.at(big_n, tree[1]), *tree,
+                                                  d2t=d2t)
+                    fed = proposal.num_fed
+                    feed, positions, mask = self._tree_inputs(pending, proposal, big_n, pos)
                 self.draft_forward_tokens += fed
                 self._split_sync()
                 t2 = time.perf_counter()
                 logits, aux = self.runner.forward(cache, feed, positions, mask)
-                best = None
-                if steps is not None:
-                    if temperature > 0:
-                        tokens, parents = drafted.tolist(), list(range(-1, steps - 1))
-                    else:
-                        best = logits.argmax(-1)  # [k + 1]
-                        both = torch.cat([drafted, best]).tolist()  # the cycle's one read of the device
-                        tokens, parents = both[:steps], list(range(-1, steps - 1))
-                else:
-                    tokens, parents = prop.tokens, prop.parents
-                if temperature > 0:
-                    path, bonus = accept_sample(logits, tokens, parents, temperature, generator)
-                elif best is not None:
-                    path, bonus = walk_greedy(both[steps:], tokens, parents)
-                else:
-                    path, bonus = walk_greedy(logits.argmax(-1).tolist(), tokens, parents)
+                tokens, path, bonus, best = _accept(logits, steps, proposal, temperature, generator)
                 rows = [0] + [i + 1 for i in path]
                 cache.keep(rows)
                 self._split_sync()
@@ -224,7 +235,7 @@ class SpecEngine:
                 res.tokens.extend(accepted + [bonus])
                 res.num_cycles += 1
                 res.accepted_per_cycle.append(len(path))
-                res.accepted_depths.append(steps if steps is not None else max(prop.depths))
+                res.accepted_depths.append(steps if steps is not None else max(proposal.depths))
                 res.target_tokens_per_cycle.append(feed.shape[1])
                 pending = bonus
                 if _finished(res.tokens, max_new_tokens, eos, before):
@@ -232,14 +243,8 @@ class SpecEngine:
                     res.verify_s += t3 - t2
                     res.draft_tokens_per_cycle.append(fed)
                     break
-                if best is not None:  # a greedy chain: accepted + bonus = the target's argmax rows 0..a
-                    kept = best[:len(rows)]
-                    pending_dev = best[len(path):len(rows)]
-                    aux_kept = aux[:len(rows)]
-                else:
-                    kept = self._ids(accepted + [bonus])[0]
-                    pending_dev = kept[-1:]
-                    aux_kept = aux[:len(rows)] if steps is not None else aux[rows]
+                kept, pending_dev, aux_kept = self._rebuild_inputs(best, aux, len(path), rows, accepted + [bonus],
+                                                                   chain=steps is not None)
                 dcache = crop_cache(dcache, big_n)  # by length: the rebuild overwrites the drafted entries
                 hidden, dlogits, dcache = self._draft_forward(aux_kept, kept, pos.at(big_n, len(rows)), dcache)
                 self._split_sync()
@@ -252,6 +257,14 @@ class SpecEngine:
             self.runner.detach()
         res.tokens = _cut(res.tokens, max_new_tokens, eos)
         return res
+
+    def _rebuild_inputs(self, best, aux: torch.Tensor, a: int, rows: list[int], new: list[int], chain: bool):
+        """What the draft's rebuild is fed after a cycle that kept `rows` of the verify input (a accepted drafts)
+        and added the tokens `new` -> (tokens [a + 1], the pending token [1], aux states [a + 1, A*H])."""
+        if best is not None:  # a greedy chain: accepted + bonus = the target's argmax rows 0..a
+            return best[:len(rows)], best[a:len(rows)], aux[:len(rows)]
+        kept = self._ids(new)[0]
+        return kept, kept[-1:], aux[:len(rows)] if chain else aux[rows]
 
     def _static(self, prompt: torch.Tensor, max_new_tokens: int, eos: set[int], steps: int | None,
                 tree: tuple | None) -> GenResult:

@@ -1,51 +1,27 @@
-"""Greedy decoding with fixed shapes, replayed as CUDA graphs: plain decoding and EAGLE-3 chains.
+"""Greedy decoding with fixed shapes, replayed as CUDA graphs: plain decoding, EAGLE-3 chains and trees.
 
-Eagerly, a small target is bound by the host: each of SmolLM2's 30 layers is a dozen kernel launches
-and each launch some microseconds of Python and driver work, so a forward costs far more on the host
-than on the GPU. A CUDA graph records the launches once and replays them with one call. A graph fixes
-every shape and every address, so in this path everything has one:
+A CUDA graph fixes every shape and every address (graph_steps.py: why graphs pay for a small target, how
+results reach the host), so in this path everything has one:
 
-- the target's KV cache has a fixed capacity C; a forward writes its T entries at the slots named by a
-  device tensor (slot = position) and attends over the first W slots with the mask `slot <= position`,
-  W the attended width: every pass is captured once per width (multiples of WIDTH_STEP up to C) and the
-  host replays the narrowest one that holds every slot the pass can touch (a 37-query attention over
-  1,024 slots costs 29 us on an H200, over 256 slots 17.5 us: docs/PERFORMANCE.md, ninth session);
+- both caches have a fixed capacity C and take writes at slots named by device tensors (static_cache.py);
+  a pass attends over the first W slots, W the attended width: every pass is captured once per width
+  (multiples of WIDTH_STEP up to C) and the host replays the narrowest one that holds every slot the pass
+  can touch (a 37-query attention over 1,024 slots costs 29 us on an H200, over 256 slots 17.5 us:
+  docs/PERFORMANCE.md);
 - the committed length n and the last cycle's accepted count a live in device scalars; the graphs
-  update them themselves (n += a + 1), so the host never has to wait for the device to go on;
-- the draft's cache works the same way (fixed storage, writes at device slots, masks over W slots);
-- results land in buffers allocated before capture, never in a graph's private pool (whose memory a
-  replay reuses), and reach the host through pinned memory and an event per read, one cycle late: the
-  host queues cycle c + 1 before it reads cycle c, so the GPU does not idle while the host decides.
+  update them themselves (n += a + 1), so the host never has to wait for the device to go on.
 
-Three graphs per chain length k and attended width: `chain` (k draft tokens from the draft's last
-state), `verify` (the target over the pending token and the k drafted ones, then the greedy acceptance
-on the device: a = how many leading drafts equal the target's argmax) and `rebuild` (the draft fed the
-real aux states of the k + 1 verified positions; its state is taken at row a). Rebuilding all k + 1
-rows, not just the a + 1 kept ones, keeps the shape fixed: rows after a see only their past (causal),
-and their cache slots are overwritten before any later query can see them. Plain decoding is one graph
-per token.
-
-The host keeps an upper bound of the device's n and never queues a pass that could write past C.
-Cycles queued after the end of the text (one at most, or two plain steps) are dropped unread; their
-time counts in `total_s`, as it does for a serving engine that runs ahead.
+The passes of each mode are made in graph_modes.py (plain steps, chains and the rebuild) and graph_tree.py
+(trees); this module holds the decoder's state, the passes' shared calls of the target and the draft, the
+prefill and the host's side of decoding. Cycles queued after the end of the text (one at most, or two plain
+steps) are dropped unread; their time counts in `total_s`, as it does for a serving engine that runs ahead.
 
 The prefill has a fixed shape too: the prompt is padded to a multiple of PREFILL_STEP tokens (at most C)
 and one graph per padded length fills both caches and picks the first token at row n - 1. The padding's
 entries lie after the committed length, where every pass masks a slot until it has written it (as it does
 a rejected draft's), so they are never seen; eagerly, every new prompt length would be a new shape (SDPA's
 cuDNN backend builds a plan per shape: 87 ms for a new length on an H200 against 27 ms for a known one,
-docs/PERFORMANCE.md, tenth session).
-
-Trees (EAGLE-2's dynamic tree, the rules of drafting.draft_tree) have the same three graphs with fixed
-shapes: every level feeds its top-k nodes, the candidates are ranked on the device (by counting, not
-with a sort), and the verify graph walks the greedy path itself and moves its entries into place (see
-`_tree_buffers`), so a tree cycle reads the device once, like a chain's.
-
-With compile_draft (`eyas eval --compile-draft`, on in the full preset), the draft-side passes (a chain's or a
-tree's drafting with its ranking and masks, a rebuild) are compiled whole by torch.compile with static sizes
-before their graphs are captured: the draft then attends over the whole capacity (its masks hide what it may
-not see), so a pass has one shape at every attended width and compiles once. Fused, a tree 16,4,48's draft
-phase costs 0.55 ms instead of 1.01 on an H200 (docs/PERFORMANCE.md, thirteenth session).
+docs/PERFORMANCE.md).
 
 On a CPU, or with graphs off, the same functions run eagerly (same buffers, same order), which is
 how the tests check this path against the dynamic engine without a GPU. Greedy only: sampling uses
@@ -58,12 +34,16 @@ import time
 
 import torch
 
-from eyas.common import EyasError, capture_cuda_graph
-from eyas.draft.cache import DraftCache
 from eyas.draft.model import DraftOutput
-from eyas.speculative.target import KVCache, TargetRunner, cache_geometry, varying_shape_attention
+from eyas.speculative.graph_modes import chain_buffers, plain_buffers
+from eyas.speculative.graph_steps import _Step, allow_recompiles, compiled_pass
+from eyas.speculative.graph_tree import _stable_order, tree_buffers  # noqa: F401 (_stable_order: tests import it here)
+from eyas.speculative.static_cache import (StaticDraftCache, StaticKVCache, chain_capacity, draft_pass, plain_capacity,
+                                           tree_capacity)
+from eyas.speculative.target import TargetRunner, cache_geometry, varying_shape_attention
 
 
+# read here at call time, so that bench scripts and tests can set them on this module
 WIDTH_STEP = 256  # attended widths are the multiples of this up to the capacity (and the capacity)
 PREFILL_STEP = 64  # prompts are padded to a multiple of this for a graphed prefill; 0: eager, exact length
 RECOMPILE_LIMIT = 64  # compile_draft: compiled entries per pass function (one per decoder and chain length)
@@ -73,119 +53,6 @@ def attended_widths(capacity: int) -> list[int]:
     """The widths a decoder of this capacity captures its passes for, ascending."""
     return sorted({min(w, capacity) for w in range(WIDTH_STEP, capacity + WIDTH_STEP, WIDTH_STEP)})
 
-
-def plain_capacity(n: int, max_new: int) -> int:
-    """Cache slots that plain decoding of max_new tokens after an n-token prompt may write (two steps ahead)."""
-    return n + max_new + 3
-
-
-def chain_capacity(n: int, max_new: int, k: int) -> int:
-    """Cache slots that chains of k may write: up to two cycles in flight beyond the host's last read, and
-    each cycle writes k + 1 slots after the committed ones."""
-    return n + max_new + 3 * (k + 1) + 1
-
-
-def tree_capacity(n: int, max_new: int, topk: int, depth: int, total: int) -> int:
-    """Cache slots that trees may write: as for chains, with a cycle writing up to max(total + 1 target
-    slots, (depth - 1) * topk draft slots, depth + 1 rebuilt ones) after the committed ones."""
-    return n + max_new + 3 * max(total + 1, (depth - 1) * topk, depth + 1) + 1
-
-
-def _stable_order(keys: torch.Tensor) -> torch.Tensor:
-    """Indices that sort keys [n] ascending, ties in index order: a stable argsort by counting, for the
-    small n of a tree (a few hundred). Element-wise work only, so it can be captured in a CUDA graph
-    (CUB's stable sorts cannot always be)."""
-    idx = torch.arange(keys.numel(), device=keys.device)
-    before = (keys[None, :] < keys[:, None]) | ((keys[None, :] == keys[:, None]) & (idx[None, :] < idx[:, None]))
-    rank = before.sum(1)  # [n]: a permutation of 0..n-1
-    return torch.empty_like(idx).scatter_(0, rank, idx)
-
-
-class StaticKVCache(KVCache):
-    """The target's cache with writes at device slots (`self.slots`, set before each forward) and reads
-    of the first `self.width` slots; the caller's mask hides what a query may not see."""
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.slots: torch.Tensor | None = None
-        self.width = self.capacity
-
-    def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
-        self.keys[layer_idx].index_copy_(2, self.slots, key_states)
-        self.values[layer_idx].index_copy_(2, self.slots, value_states)
-        return self.keys[layer_idx][:, :, :self.width], self.values[layer_idx][:, :, :self.width]
-
-
-class StaticDraftCache(DraftCache):
-    """The draft's cache with writes at device slots and reads of the first `self.width` slots (see above)."""
-
-    __slots__ = ("slots", "width")
-
-    def __init__(self, k_store: torch.Tensor, v_store: torch.Tensor):
-        super().__init__(k_store, v_store)
-        self.slots: torch.Tensor | None = None
-        self.width = k_store.shape[2]
-
-    @property
-    def key(self) -> torch.Tensor:
-        return self.k_store[:, :, :self.width]
-
-    @property
-    def value(self) -> torch.Tensor:
-        return self.v_store[:, :, :self.width]
-
-    def append(self, k: torch.Tensor, v: torch.Tensor) -> "StaticDraftCache":
-        self.k_store.index_copy_(2, self.slots, k)
-        self.v_store.index_copy_(2, self.slots, v)
-        return self
-
-
-def draft_pass(draft, hidden, ids, position_ids, mask, k_store, v_store, slots):
-    """The draft's forward over its whole static cache given as tensors (entries written at `slots`): what
-    `GraphDecoder._draft` runs under compile_draft, so that a compiled pass traces no writes to the decoder's
-    cache object. -> (hidden_out [1, T, H], logits [1, T, Vd])."""
-    cache = StaticDraftCache(k_store, v_store)  # reads every slot: its width is the stores'
-    cache.slots = slots
-    out = draft(hidden, ids, position_ids, past_key_values=cache, attention_mask=mask)
-    return out.hidden_out, out.logits
-
-
-class _Step:
-    """`fn` (which writes its results into persistent buffers) captured as a CUDA graph and replayed,
-    or simply called when graphs are off."""
-
-    def __init__(self, fn, device: torch.device, graphs: bool, name: str, pool=None):
-        self.fn, self.graph = fn, None
-        if graphs:
-            self.graph = capture_cuda_graph(fn, device, f"the {name} pass", "Decode eagerly instead with `eyas eval "
-                                            "--no-cuda-graphs` (or --set eval.cuda_graphs=false)", pool=pool)
-
-    def __call__(self) -> None:
-        if self.graph is None:
-            self.fn()
-        else:
-            self.graph.replay()
-
-
-class _Reads:
-    """Small device results copied to pinned host memory without waiting, read back later in order."""
-
-    def __init__(self, width: int, device: torch.device, slots: int = 4):
-        self.cuda = device.type == "cuda"
-        self.host = torch.zeros(slots, width, dtype=torch.long, pin_memory=self.cuda)
-        self.events = [torch.cuda.Event() if self.cuda else None for _ in range(slots)]  # re-recorded per push
-
-    def push(self, i: int, src: torch.Tensor) -> None:
-        s = i % len(self.events)
-        self.host[s].copy_(src, non_blocking=self.cuda)
-        if self.cuda:
-            self.events[s].record()
-
-    def get(self, i: int) -> list[int]:
-        s = i % len(self.events)
-        if self.cuda:
-            self.events[s].synchronize()
-        return self.host[s].tolist()
 
 
 class GraphDecoder:
@@ -205,7 +72,7 @@ class GraphDecoder:
         self.graphs = graphs and self.device.type == "cuda"
         dev = self.device
         self.cache = StaticKVCache(*cache_geometry(model.config), capacity, p.dtype, dev)
-        self.cols = torch.arange(capacity, device=dev)  # slot indices
+        self.cols = torch.arange(capacity, device=dev)  # [C]: slot indices
         self.widths = attended_widths(capacity)
         # the graphs run one at a time on one stream and keep their results in buffers made before capture,
         # so they can share one memory pool (one per width and pass would multiply the memory)
@@ -226,13 +93,9 @@ class GraphDecoder:
         # static sizes, before its graphs are captured. The draft then attends over the whole capacity in every
         # pass (its masks hide the slots it may not see), so that a pass has one shape at every attended width
         # and compiles once: one decoder layer reads a few MB of cache more, against hundreds of launches fused.
-        # fullgraph: a graph break would be an error, not a silent eager pass
         self.draft_full_width = bool(compile_draft) and draft is not None
         if self.draft_full_width:
-            import torch._dynamo as dynamo
-
-            # one entry per pass and decoder: chains of several lengths and rebuilds share code objects
-            dynamo.config.recompile_limit = max(dynamo.config.recompile_limit, RECOMPILE_LIMIT)
+            allow_recompiles(RECOMPILE_LIMIT)
         self._set_width(capacity)
 
     # ---------------------------------------------------------------- attended widths
@@ -301,223 +164,27 @@ class GraphDecoder:
         return self.draft(hidden, ids, positions[None], past_key_values=self.dcache, attention_mask=mask)
 
     def _compiled(self, fn, name: str):
-        """`fn` (a draft-side pass) compiled whole by the compile_draft backend, static sizes, or `fn` itself
-        without one. A compiler failure, at the first call, becomes an EyasError naming the way out."""
-        if not self.draft_full_width:
-            return fn
-        import torch._dynamo as dynamo
+        """`fn` (a draft-side pass) compiled whole by the compile_draft backend (graph_steps.compiled_pass), or
+        `fn` itself without one."""
+        return compiled_pass(fn, self.compile_draft, name) if self.draft_full_width else fn
 
-        # FailOnRecompileLimitHit (fullgraph cannot fall back to eager) is not a TorchDynamoException
-        limit_hit = getattr(dynamo.exc, "FailOnRecompileLimitHit", None)
-        errors = (dynamo.exc.TorchDynamoException,) + ((limit_hit,) if limit_hit else ())
-        try:
-            compiled = torch.compile(fn, backend=self.compile_draft, dynamic=False, fullgraph=True)
-        except errors as e:  # an unknown backend, say
-            raise self._compile_failed(e, name) from e
-
-        def run() -> None:
-            try:
-                with torch.no_grad():  # one grad mode whoever calls: another would be another compilation
-                    compiled()
-            except errors as e:  # compiling happens at the first call
-                raise self._compile_failed(e, name) from e
-
-        return run
-
-    def _compile_failed(self, e: Exception, name: str) -> EyasError:
-        first = " ".join([line.strip() for line in str(e).splitlines() if line.strip()][:2])[:300]
-        return EyasError(f"torch.compile (backend {self.compile_draft!r}) failed on the draft's pass ({name}): "
-                         f"{type(e).__name__}: {first}. Compiling the draft is an experiment (eval.compile_draft); "
-                         f"run without --compile-draft (or --set eval.compile_draft=false)")
-
-    def _tree_mask(self, local: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
-        """[T, W] over the slots `cols` [W]: every committed slot (< n), plus the slots n + j for which
-        local [T, L] is True."""
-        width = local.shape[1]
-        rel = cols - self.n  # [W]: slot relative to the committed length
-        inside = (rel >= 0) & (rel < width)
-        return (rel < 0)[None, :] | (local[:, rel.clamp(0, width - 1)] & inside[None, :])
-
-    def _rebuild(self, b: dict) -> None:
-        """The draft fed the real aux states b["aux"] [W, A*H] of the kept positions n.. with the target's
-        argmax b["best"] [W] as next tokens; its state is taken at row a, and n grows by a + 1. All W rows
-        are fed (a fixed shape): rows after a see only their past, and their slots are overwritten before
-        any later query can see them."""
-        rows = b["best"].shape[0]
-        fused = self.draft.fuse(b["aux"].to(self.ddtype))[None]  # [1, W, H]
-        out = self._draft(fused, b["best"].view(1, -1), self.n + self.cols[:rows])
-        row = self.a.view(1)
-        self.hidden.copy_(out.hidden_out.index_select(1, row))
-        self.dlogits.copy_(out.logits[0].index_select(0, row)[0])
-        b["ids"][0, :1].copy_(b["best"].index_select(0, row))  # the bonus token is the next pending one
-        self.n.add_(self.a + 1)
+    # ---------------------------------------------------------------- the passes of each mode, made once
 
     def _chain_buffers(self, k: int) -> dict:
-        if ("chain", k) in self.steps:
-            return self.steps[("chain", k)]
-        dev = self.device
-        b = {"ids": torch.zeros(1, k + 1, dtype=torch.long, device=dev),  # pending + drafted: the verify input
-             "best": torch.zeros(k + 1, dtype=torch.long, device=dev),  # the target's argmax per row
-             "aux": torch.zeros(k + 1, len(self.runner.aux_layers) * self.hidden_size, dtype=self.dtype, device=dev),
-             "read": torch.zeros(2 * k + 2, dtype=torch.long, device=dev),  # drafted, argmax, a: the host's read
-             "rows": torch.arange(k + 1, device=dev),
-             "reads": _Reads(2 * k + 2, dev)}  # pinned once per decoder, not per generation
-        self.runner.attach()  # the verify pass needs the aux hooks while it is traced
-
-        def chain():
-            hidden, logits = self.hidden, self.dlogits
-            for i in range(k):
-                tok = self.draft.to_target_ids(logits.argmax(-1, keepdim=True))  # [1]
-                b["ids"][0, i + 1:i + 2].copy_(tok)
-                if i == k - 1:
-                    break
-                out = self._draft(hidden, tok.view(1, 1), (self.n + i).view(1))
-                hidden, logits = out.hidden_out[:, -1:], out.logits[0, -1]
-
-        def verify():
-            logits, aux = self._target(b["ids"], self.n + b["rows"], aux=True)
-            best = logits.argmax(-1)  # [k + 1]
-            drafted = b["ids"][0, 1:]
-            self.a.copy_((drafted == best[:k]).long().cumprod(0).sum())
-            b["best"].copy_(best)
-            b["aux"].copy_(aux)
-            b["read"][:k].copy_(drafted)
-            b["read"][k:2 * k + 1].copy_(best)
-            b["read"][2 * k + 1:].copy_(self.a.view(1))
-
-        def rebuild():
-            self._rebuild(b)
-
-        b["passes"] = self._capture({"chain": self._compiled(chain, f"chain-{k}"), "verify": verify,
-                                     "rebuild": self._compiled(rebuild, f"chain-{k} rebuild")}, f"chain-{k}")
-        self.steps[("chain", k)] = b
-        return b
+        if ("chain", k) not in self.steps:
+            self.steps[("chain", k)] = chain_buffers(self, k)
+        return self.steps[("chain", k)]
 
     def _tree_buffers(self, topk: int, depth: int, total: int) -> dict:
-        """Buffers and graphs of EAGLE-2 dynamic trees (drafting.draft_tree's rules, fixed shapes).
-
-        `tree`: `depth` levels of drafting; each level after the first feeds its `topk` best nodes (by
-        cumulative draft log-prob) at draft slots n + (level - 1) * topk + row, each seeing the committed
-        slots, its expanded ancestors and itself. The `total` best of all candidates (a parent always
-        scores at least as well as its child, and ties go to the earlier candidate, so the set is closed
-        under ancestors) are ordered parents first, siblings by score. `verify`: the target over the
-        pending token and the nodes at slots n.. (positions n + depth) with the ancestor mask; the greedy
-        path is walked on the device (a node is accepted when its token is the target's argmax at its
-        parent and its parent is accepted) and its depth + 1 entries are moved to slots n..n + depth.
-        `rebuild` is the chain's, over depth + 1 rows.
-        """
         key = ("tree", topk, depth, total)
-        if key in self.steps:
-            return self.steps[key]
-        dev, vocab = self.device, self.dlogits.shape[0]
-        if topk > vocab:
-            raise ValueError(f"tree top-k {topk} exceeds the draft vocabulary ({vocab})")
-        pool = topk + (depth - 1) * topk * topk  # candidates drafted per cycle
-        m = min(total, pool)
-        width = (depth - 1) * topk  # draft slots the expanded levels take
-        b = {"ids": torch.zeros(1, m + 1, dtype=torch.long, device=dev),  # pending + nodes: the verify input
-             "depths": torch.zeros(m + 1, dtype=torch.long, device=dev),  # 0 for the pending token
-             "parents": torch.zeros(m + 1, dtype=torch.long, device=dev),  # row of each row's parent (root: 0)
-             "anc": torch.zeros(m + 1, m + 1, dtype=torch.bool, device=dev),  # row sees row (ancestors, itself)
-             "rows": torch.arange(m + 1, device=dev),
-             "best": torch.zeros(depth + 1, dtype=torch.long, device=dev),  # the target's argmax along the path
-             "aux": torch.zeros(depth + 1, len(self.runner.aux_layers) * self.hidden_size, dtype=self.dtype,
-                                device=dev),
-             "read": torch.zeros(depth + 3, dtype=torch.long, device=dev),  # best along the path, a, tree depth
-             "reads": _Reads(depth + 3, dev), "size": m}
-        self.runner.attach()  # the verify pass needs the aux hooks while it is traced
-        eye = torch.eye(topk, dtype=torch.bool, device=dev)
-
-        def tree():
-            top = torch.log_softmax(self.dlogits.float(), dim=-1).topk(topk)
-            scores, ids, levels, parents = [top.values], [top.indices], [torch.ones_like(top.indices)], \
-                [torch.full_like(top.indices, -1)]
-            front, front_ids, front_scores = torch.arange(topk, device=dev), top.indices, top.values
-            front_hidden = self.hidden.expand(1, topk, self.hidden.shape[-1])
-            front_anc = torch.zeros(topk, width, dtype=torch.bool, device=dev)  # expanded ancestors' draft slots
-            start = topk
-            for d in range(1, depth):
-                seen = front_anc.clone()
-                seen[:, (d - 1) * topk:d * topk] |= eye  # each frontier node sees its own new slot
-                slots = self.n + (d - 1) * topk + self.cols[:topk]
-                out = self._draft(front_hidden, self.draft.to_target_ids(front_ids).view(1, topk),
-                                  (self.n + (d - 1)).expand(topk), slots=slots, mask=self._tree_mask(seen, self.dcols))
-                child = torch.log_softmax(out.logits[0].float(), dim=-1).topk(topk, dim=-1)  # [topk, topk]
-                cum = (front_scores[:, None] + child.values).flatten()
-                kids = child.indices.flatten()
-                scores.append(cum)
-                ids.append(kids)
-                levels.append(torch.full_like(kids, d + 1))
-                parents.append(front[:, None].expand(topk, topk).flatten())
-                if d < depth - 1:
-                    best = cum.topk(topk).indices
-                    front, front_ids, front_scores = start + best, kids[best], cum[best]
-                    front_hidden = out.hidden_out[:, best // topk]
-                    front_anc = seen[best // topk]
-                start += topk * topk
-            scores, ids, levels, parents = (torch.cat(x) for x in (scores, ids, levels, parents))
-            # the m best by score (ties: the earlier, i.e. shallower, candidate), then parents first
-            chosen = _stable_order(-scores)[:m]
-            order = chosen[_stable_order(levels[chosen])]
-            row_of = torch.zeros(pool, dtype=torch.long, device=dev).scatter_(0, order, self.cols[1:m + 1])
-            par = parents[order]  # pool indices; row_of maps them to verify rows (1..m)
-            b["parents"][1:].copy_(torch.where(par >= 0, row_of[par.clamp(min=0)], 0))
-            b["ids"][0, 1:].copy_(self.draft.to_target_ids(ids[order]))
-            b["depths"][1:].copy_(levels[order])
-            anc = torch.eye(m + 1, dtype=torch.bool, device=dev)
-            up = b["rows"]
-            for _ in range(depth):
-                up = b["parents"][up]
-                anc.scatter_(1, up[:, None], True)
-            b["anc"].copy_(anc)
-
-        def verify():
-            logits, aux = self._target(b["ids"], self.n + b["depths"], aux=True, slots=self.n + b["rows"],
-                                       mask=self._tree_mask(b["anc"], self.wcols))
-            best = logits.argmax(-1)  # [m + 1]
-            match = (b["ids"][0] == best[b["parents"]]) | (b["rows"] == 0)
-            accepted = match
-            for _ in range(depth):
-                accepted = match & accepted[b["parents"]]
-            # the deepest accepted node (one per depth), kept a 1-element tensor: indexing with a 0-dim tensor
-            # reads it on the host, which a CUDA graph capture refuses
-            node = torch.where(accepted, b["depths"], -1).argmax().view(1)
-            self.a.copy_(b["depths"].index_select(0, node).view(()))
-            path = node.expand(depth + 2).clone()  # rows along the path by depth; later entries repeat the node
-            path.scatter_(0, torch.where(b["anc"].index_select(0, node)[0], b["depths"], depth + 1), b["rows"])
-            path = path[:depth + 1]
-            slots, dest = self.n + path, self.n + self.cols[:depth + 1]
-            for store in (self.cache.keys, self.cache.values):  # the path's entries move to slots n..n + depth
-                store.index_copy_(3, dest, store.index_select(3, slots))
-            b["best"].copy_(best[path])
-            b["aux"].copy_(aux[path])
-            b["read"][:depth + 1].copy_(b["best"])
-            b["read"][depth + 1:depth + 2].copy_(self.a.view(1))
-            b["read"][depth + 2:].copy_(b["depths"].max().view(1))
-
-        def rebuild():
-            self._rebuild(b)
-
-        name = f"tree {topk},{depth},{total}"
-        b["passes"] = self._capture({"tree": self._compiled(tree, name), "verify": verify,
-                                     "rebuild": self._compiled(rebuild, f"{name} rebuild")}, name)
-        self.steps[key] = b
-        return b
+        if key not in self.steps:
+            self.steps[key] = tree_buffers(self, topk, depth, total)
+        return self.steps[key]
 
     def _plain_buffers(self) -> dict:
-        if "plain" in self.steps:
-            return self.steps["plain"]
-        b = {"ids": torch.zeros(1, 1, dtype=torch.long, device=self.device), "reads": _Reads(1, self.device)}
-        self.n.zero_()
-
-        def step():
-            logits, _ = self._target(b["ids"], self.n.view(1), aux=False)
-            b["ids"].copy_(logits.argmax(-1).view(1, 1))
-            self.n.add_(1)
-
-        b["passes"] = self._capture({"step": step}, "plain")
-        self.steps["plain"] = b
-        return b
+        if "plain" not in self.steps:
+            self.steps["plain"] = plain_buffers(self)
+        return self.steps["plain"]
 
     # ---------------------------------------------------------------- prefill
 
@@ -530,8 +197,8 @@ class GraphDecoder:
         if key in self.steps:
             return self.steps[key]
         dev = self.device
-        b = {"ids": torch.zeros(1, length, dtype=torch.long, device=dev),  # the prompt, then padding
-             "next": torch.zeros(1, length, dtype=torch.long, device=dev),  # the prompt from its 2nd token on
+        b = {"ids": torch.zeros(1, length, dtype=torch.long, device=dev),  # [1, L]: the prompt, then padding
+             "next": torch.zeros(1, length, dtype=torch.long, device=dev),  # [1, L]: the prompt from its 2nd token on
              "last": torch.zeros(1, dtype=torch.long, device=dev),  # n - 1: the row whose logits count
              "pending": torch.zeros(1, dtype=torch.long, device=dev),
              "width": self._width_for(length)}
