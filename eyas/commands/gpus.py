@@ -11,7 +11,7 @@ def add_arguments(parser) -> None:
 
 def main(args) -> int:
     from eyas.gpu import nvml
-    from eyas.pipeline import parse_gpus
+    from eyas.gpu.devices import parse_gpus
 
     devices = parse_gpus(args.gpus) if args.gpus else None
     if not nvml.available():

@@ -1,4 +1,4 @@
-"""`eyas run`: the whole pipeline in one run directory (see eyas/pipeline.py for the stage table)."""
+"""`eyas run`: the whole pipeline in one run directory (the stage table is in eyas/pipeline/table.py)."""
 
 from __future__ import annotations
 
@@ -32,15 +32,17 @@ def add_arguments(parser) -> None:
 def main(args) -> int:
     from eyas.common import EyasError
     from eyas.config import load_config
+    from eyas.gpu.devices import parse_gpus
     from eyas.gpu.procs import Terminated
-    from eyas.pipeline import RunOptions, parse_gpus, run_pipeline
+    from eyas.layout import RunLayout
+    from eyas.pipeline import RunOptions, run_pipeline
 
     if args.config_file and args.preset:
         raise EyasError("give either CONFIG.yaml or --preset, not both")
-    run = Path(args.run_dir)
+    layout = RunLayout(Path(args.run_dir))
     source = args.config_file or args.preset
-    if source is None and (run / "config.yaml").is_file():
-        source = str(run / "config.yaml")  # a rerun without a config continues with the run's own
+    if source is None and layout.config.is_file():
+        source = str(layout.config)  # a rerun without a config continues with the run's own
     cfg = load_config(source, args.overrides)
     from eyas.data.benchmarks import check_benches
 
@@ -50,14 +52,14 @@ def main(args) -> int:
                       stage_timeout=args.stage_timeout, grace_s=args.grace,
                       release_timeout_s=args.release_timeout, echo=not args.quiet)
     try:
-        runner = run_pipeline(cfg, run, opts)
+        runner = run_pipeline(cfg, layout.run, opts)
     except Terminated as e:
         print(f"eyas run: stopped by {e}; every stage process was ended; rerun the same command to resume")
         return 128 + e.signum
     except KeyboardInterrupt:
         print("eyas run: interrupted; every stage process was ended; rerun the same command to resume")
         return 130
-    print(f"\neyas run: finished; report: {run / 'report.md'}")
+    print(f"\neyas run: finished; report: {layout.report}")
     for line in runner.summary:
         print(f"  {line}")
     return 0

@@ -43,7 +43,7 @@ def chain(tmp_path: Path, fail_flag: Path | None = None, b_args=()):
 
 
 def status(run: Path) -> dict[str, str]:
-    return {k: v["status"] for k, v in json.loads((run / "stages.json").read_text()).items()}
+    return {k: v["status"] for k, v in json.loads((run / "stages.json").read_text())["stages"].items()}
 
 
 def test_skip_rerun_on_change_and_removed_output(tmp_path):
@@ -69,49 +69,34 @@ def test_skip_rerun_on_change_and_removed_output(tmp_path):
     assert status(run) == {"a": "done", "b": "done", "c": "done"}
 
 
-def test_a_key_added_to_eyas_later_does_not_rerun_a_stage(tmp_path, capsys):
-    """A record keeps the stage's config values: a field eyas added since (at its default) or dropped is no
-    change, another value is. Records of an eyas that kept no values match their hash without the keys added
-    since. Nothing reruns and no output is removed unless a value really changed."""
-    from eyas.common import sha256_json
-    from eyas.pipeline import ADDED_SINCE_HASH_ONLY_RECORDS, config_values
+def test_a_config_change_is_named_in_the_log(tmp_path, capsys):
+    """A record keeps the stage's config values beside their hash: the log names the keys that changed."""
+    from eyas.pipeline import config_values
 
     cfg = load_config("tiny")
     run, record, stages = tmp_path / "run", tmp_path / "record.jsonl", chain(tmp_path)
     run_pipeline(cfg, run, QUIET, stages)
-    state = json.loads((run / "stages.json").read_text())
-    assert state["a"]["config_values"] == config_values(stages[0], cfg)
+    recorded = json.loads((run / "stages.json").read_text())["stages"]["a"]
+    assert recorded["config_values"] == config_values(stages[0], cfg)
+    run_pipeline(load_config("tiny", [f"data.num_prompts={cfg.data.num_prompts + 1}"]), run, QUIET, stages)
+    assert counts(record) == {"a": 2, "b": 2, "c": 2}
+    assert "a: running (inputs changed (config: data.num_prompts): old output removed)" in capsys.readouterr().out
 
-    def rerun_with(edit) -> dict:
-        st = json.loads(json.dumps(state))
-        edit(st)
-        (run / "stages.json").write_text(json.dumps(st))
-        run_pipeline(cfg, run, QUIET, stages)
-        return counts(record)
 
-    def older_eyas(st):  # values without a field added since, another hash; and a field dropped since
-        data = st["a"]["config_values"]["data"]
-        del data["self_prompt_opener_share"]
-        data["a_dropped_key"] = 3
-        st["a"]["parts"]["config"] = "recorded-by-an-older-eyas"
-
-    assert rerun_with(older_eyas) == {"a": 1, "b": 1, "c": 1}
-
-    def no_values(st):  # an eyas that kept no values: the hash of the data section without the added keys
-        del st["a"]["config_values"]
-        added = [key.partition(".")[2] for key in ADDED_SINCE_HASH_ONLY_RECORDS if key.startswith("data.")]
-        assert "chat_template_kwargs" in added  # every field added since: that eyas knew none of them
-        data = {k: v for k, v in config_values(stages[0], cfg)["data"].items() if k not in added}
-        st["a"]["parts"]["config"] = sha256_json({"data": data})
-
-    assert rerun_with(no_values) == {"a": 1, "b": 1, "c": 1} and (run / "a").exists()
-
-    def other_value(st):
-        st["a"]["config_values"]["data"]["num_prompts"] += 1
-        st["a"]["parts"]["config"] = "recorded-for-other-values"
-
-    assert rerun_with(other_value) == {"a": 2, "b": 2, "c": 2}
-    assert "inputs changed (config: data.num_prompts): old output removed" in capsys.readouterr().out
+@pytest.mark.parametrize("written", [{"a": {"status": "done"}}, {"schema_version": 1, "stages": {}}, "{not json"])
+def test_stages_json_of_another_schema_is_refused_and_nothing_is_touched(tmp_path, written):
+    """A run directory whose stages.json has another schema version (or none) stops the run with a clear
+    error before anything is written or removed there."""
+    run, stages = tmp_path / "run", chain(tmp_path)
+    run_pipeline(load_config("tiny"), run, QUIET, stages)
+    (run / "stages.json").write_text(written if isinstance(written, str) else json.dumps(written))
+    before = {p: (p.read_bytes(), p.stat().st_mtime_ns) for p in run.rglob("*") if p.is_file()}
+    found = "none" if "schema_version" not in written else "1"
+    with pytest.raises(EyasError, match=rf"stages.json has schema_version {found}, this eyas reads 2: use a new "
+                                        rf"--run-dir, or remove .*stages.json to rerun every stage"):
+        run_pipeline(load_config("tiny", ["train.lr=0.5"]), run, QUIET, stages)
+    assert {p: (p.read_bytes(), p.stat().st_mtime_ns) for p in run.rglob("*") if p.is_file()} == before
+    assert counts(tmp_path / "record.jsonl") == {"a": 1, "b": 1, "c": 1}
 
 
 def test_a_draft_to_fine_tune_inside_the_run_is_refused_before_anything_is_removed(tmp_path):
@@ -289,16 +274,35 @@ def test_real_stage_table_commands(tmp_path):
     ctx = Ctx(cfg, tmp_path, num_devices=2, resume=True, tail=True)
     argv = {s.name: [c.argv for c in s.commands(ctx)] for s in STAGES}
     assert argv["capture"][0][:4] == [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-    assert "--tail" in argv["train"][0] and "--resume" in argv["train"][0]
-    # one eval process per benchmark (tiny: mt-bench only), every setting of the config in it
-    (eval_argv,) = argv["eval"]
-    assert "--out-dir" in eval_argv and "--steps" not in eval_argv and "--tree" not in eval_argv
+    train = argv["train"][0]
+    assert "--tail" in train and "--resume" in train
+    assert train[train.index("--vocab") + 1] == str(tmp_path / "prepared" / "vocab.safetensors")
+    fine_tune = load_config("tiny", ["train.init_from=/drafts/code"])  # keeps its own vocabulary
+    assert "--vocab" not in next(s for s in STAGES if s.name == "train").commands(Ctx(fine_tune, tmp_path, 1, False,
+                                                                                      False))[0].argv
+    # one eval process per benchmark (tiny: mt-bench only), every setting of the config in it; done when the
+    # last setting's result exists
+    (eval_cmd,) = next(s for s in STAGES if s.name == "eval").commands(ctx)
+    assert "--out-dir" in eval_cmd.argv and "--steps" not in eval_cmd.argv and "--tree" not in eval_cmd.argv
+    assert eval_cmd.out == str(tmp_path / "eval" / "mt-bench-tree-2x3x6.json")
     (export,) = argv["export"]
     assert export[export.index("--to") + 1] == "sglang,vllm,speculators" and export[-1] == str(tmp_path / "export")
     online = load_config("tiny", ["capture.mode=online"])
     assert [s.name for s in STAGES if s.when(online)] == ["prepare", "train", "eval", "export"]
     train = next(s for s in STAGES if s.name == "train").commands(Ctx(online, tmp_path, 1, False, False))[0].argv
     assert train[train.index("--source") + 1] == "online" and train[:3] == [sys.executable, "-m", "eyas"]
+    assert "--vocab" not in train  # read from the prepared data itself
+
+
+def test_the_stage_table_writes_where_the_layout_says():
+    from eyas.layout import RunLayout
+
+    layout = RunLayout(Path("/runs/r"))
+    assert [layout.run / s.writes for s in STAGES] == [layout.prepared, layout.store, layout.train, layout.eval,
+                                                       layout.export]
+    assert (layout.vocab, layout.stages, layout.lock) == (Path("/runs/r/prepared/vocab.safetensors"),
+                                                          Path("/runs/r/stages.json"), Path("/runs/r/.runner.lock"))
+    assert layout.eval_result("mt-bench", "chain-3") == Path("/runs/r/eval/mt-bench-chain-3.json")
 
 
 def test_one_runner_per_run_dir(tmp_path):
@@ -336,10 +340,10 @@ def test_an_input_edited_while_its_stage_runs_reruns_it_next_time(tmp_path):
 
 def test_target_weights_replaced_in_place_rerun_the_stages_that_run_it(tmp_path):
     """A local target directory is an input of the stages that run the target: new weights under the same
-    path make them stale. A record from an eyas that did not fingerprint the target is taken as unchanged."""
+    path make them stale."""
     import dataclasses
 
-    from eyas.pipeline import _target_files
+    from eyas.pipeline.table import _target_files
 
     model = tmp_path / "model"
     model.mkdir()
@@ -357,41 +361,3 @@ def test_target_weights_replaced_in_place_rerun_the_stages_that_run_it(tmp_path)
     (model / "model.safetensors").write_bytes(b"weights two, same path")
     run_pipeline(cfg, run, QUIET, (stage,))
     assert counts(record) == {"a": 2}
-
-    state = json.loads((run / "stages.json").read_text())
-    assert state["a"]["inputs_version"] == 2
-    del state["a"]["parts"][str(model)], state["a"]["inputs_version"]  # as an older eyas recorded it
-    (run / "stages.json").write_text(json.dumps(state))
-    run_pipeline(cfg, run, QUIET, (stage,))
-    assert counts(record) == {"a": 2} and (run / "a").is_dir()
-    kept = json.loads((run / "stages.json").read_text())["a"]  # completed by the skip: now it sees a change
-    assert kept["inputs_version"] == 2 and str(model) in kept["parts"]
-    (model / "model.safetensors").write_bytes(b"weights three")
-    run_pipeline(cfg, run, QUIET, (stage,))
-    assert counts(record) == {"a": 3}
-    state = json.loads((run / "stages.json").read_text())
-    del state["a"]["parts"][str(model)]
-
-    # a record of this eyas names every input it had: a target directory that appears under the same name
-    # (a hub id downloaded to a directory of that name) is a new input
-    state["a"]["inputs_version"] = 2  # the same record without the target's key, written by this eyas
-    (run / "stages.json").write_text(json.dumps(state))
-    run_pipeline(cfg, run, QUIET, (stage,))
-    assert counts(record) == {"a": 4}
-
-
-def test_an_unread_input_never_makes_a_stage_stale(tmp_path):
-    """An older eyas fingerprinted RUN/store for an online train; the store changed since: no rerun."""
-    import dataclasses
-
-    run, record = tmp_path / "run", tmp_path / "record.jsonl"
-    (run / "store").mkdir(parents=True)
-    (run / "store" / "manifest.json").write_text("{}")
-    old = fake_stage("b", "b", ["--record", str(record)], reads=["store"], config=["train"])
-    run_pipeline(load_config("tiny"), run, QUIET, (old,))
-    (run / "store" / "manifest.json").write_text('{"changed": true}')
-    new = dataclasses.replace(old, unread=lambda cfg: ("store",))
-    run_pipeline(load_config("tiny"), run, QUIET, (new,))
-    assert counts(record) == {"b": 1}
-    run_pipeline(load_config("tiny"), run, QUIET, (old,))  # and where it is read, the change counts
-    assert counts(record) == {"b": 2}

@@ -79,7 +79,7 @@ def test_stage_group_is_gone_and_decoy_survives(tmp_path, decoy, path):
     assert [role for role, p in pids.items() if alive(p)] == [], log
     assert alive(decoy.pid)
     run = tmp_path / "run"
-    assert json.loads((run / "stages.json").read_text())["work"]["status"] == want_status
+    assert json.loads((run / "stages.json").read_text())["stages"]["work"]["status"] == want_status
     (rec,) = json.loads((run / "processes.json").read_text())["stages"]
     assert rec["ended"] and rec["pid"] == pids["leader"] == rec["pgid"] and rec["devices"] == []
     assert rec["start_ticks"] > 0
@@ -107,7 +107,7 @@ def test_orphans_of_a_killed_runner_are_ended_and_the_stage_resumes(tmp_path, de
     assert alive(decoy.pid)
     runs = [json.loads(ln) for ln in record.read_text().splitlines()]
     assert runs[0]["resume"] is True  # partial output and unchanged inputs: the stage resumed
-    assert json.loads((tmp_path / "run" / "stages.json").read_text())["work"]["status"] == "done"
+    assert json.loads((tmp_path / "run" / "stages.json").read_text())["stages"]["work"]["status"] == "done"
 
 
 def test_a_reused_pid_is_left_alone(tmp_path):
@@ -179,7 +179,7 @@ def test_a_closed_terminal_does_not_stop_the_teardown(tmp_path, decoy, monkeypat
                 os.kill(p, signal.SIGKILL)
     assert left == [] and alive(decoy.pid)
     run = tmp_path / "run"
-    assert json.loads((run / "stages.json").read_text())["work"]["status"] == "interrupted"
+    assert json.loads((run / "stages.json").read_text())["stages"]["work"]["status"] == "interrupted"
     assert all(r["ended"] for r in json.loads((run / "processes.json").read_text())["stages"])
 
 

@@ -19,7 +19,7 @@ def test_tiny_preset_end_to_end_then_skip(tmp_path):
     cmd = [sys.executable, "-m", "eyas", "run", "--preset", "tiny", "--run-dir", str(run), "--quiet"]
     first = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
-    stages = json.loads((run / "stages.json").read_text())
+    stages = json.loads((run / "stages.json").read_text())["stages"]
     assert {k: v["status"] for k, v in stages.items()} == {s: "done" for s in STAGE_COMMANDS}
     assert (run / "store" / "manifest.json").exists()
     # the tiny preset's eval settings (chain 3, tree 2,3,6), both from the one eval process of mt-bench
