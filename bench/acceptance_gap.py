@@ -21,7 +21,7 @@ import argparse
 
 import torch
 
-from eyas.commands.eval import build_engine
+from eyas.speculative.build import build_engine
 from eyas.data.benchmarks import humaneval_prompts, mtbench_questions
 from eyas.speculative.bench import encode_turn
 from eyas.target import load_target

@@ -30,7 +30,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from eyas.config import load_config  # noqa: E402
-from eyas.store import capture  # noqa: E402
+from eyas.stages import capture  # noqa: E402
 from eyas.store.batching import auto_token_budget, next_batch, plan_shards, token_batches  # noqa: E402
 from eyas.data.prepared import load_prepared_arrays  # noqa: E402
 from eyas.store.writer import default_writer_threads  # noqa: E402
@@ -150,9 +150,9 @@ def forward_only(target, prepared, budget: int, shard_tokens: int) -> float:
 
 def budget_check(target, prepared, budget: int) -> str:
     """One capture pass (hooks, unpadding, encoding) over the longest samples filling the automatic budget."""
-    from eyas.store.capture_loop import BatchRunner
+    from eyas.stages.capture_passes import BatchRunner
     from eyas.target.capture import FeatureCapture
-    from eyas.target.layers import default_aux_layers
+    from eyas.layers import default_aux_layers
 
     features = FeatureCapture(target, default_aux_layers(target.num_layers))
     runner = BatchRunner(features, prepared, "bf16", budget)
@@ -177,7 +177,7 @@ def budget_check(target, prepared, budget: int) -> str:
     return f"one pass of {padded:,} padded tokens ({len(rows)} samples) at the automatic budget {budget:,}{memory}, no OOM"
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="smollm2", help="smollm2 | tiny | llama8b-random | any load_target spec")
     p.add_argument("--tiny", action="store_true", help="the tiny random target on CPU with small data (seconds)")
@@ -196,7 +196,57 @@ def main() -> None:
         args.model, args.device = "tiny", "cpu"
         args.samples, args.min_len, args.max_len = args.samples or 64, args.min_len or 16, args.max_len or 128
         args.shard_tokens, args.disk_gb = args.shard_tokens or 1024, args.disk_gb or 0.05
+    return args
 
+
+def measure_disk(work: Path, disk_gb: float, writers: int, shard_tokens: int, num_aux: int, hidden_size: int) -> float:
+    """The disk's write rate (bytes/s) in files about the size of a bf16 shard, printed."""
+    state_bytes = (num_aux + 1) * hidden_size * 2  # a bf16 shard's bytes per token, about
+    file_bytes = int(min(disk_gb * 1e9, max(16 << 20, shard_tokens * state_bytes)))
+    disk = disk_write_rate(work, int(disk_gb * 1e9), writers, file_bytes)
+    print(f"disk: {disk_gb:g} GB in files of {file_bytes / 1e6:,.0f} MB by {writers} thread(s), fsynced: "
+          f"{disk / 1e6:,.0f} MB/s", flush=True)
+    return disk
+
+
+def capture_stores(target, model: str, dtypes: list[str], prepared_dir: Path, work: Path, budget: int,
+                   shard_tokens: int, writers: int) -> list[tuple[str, dict]]:
+    """(dtype, capture statistics) of one capture per storage dtype; each store is deleted after, to spare the disk."""
+    rows = []
+    for dtype in dtypes:
+        cfg = load_config("demo", [f"target.model={model}", f"capture.dtype={dtype}",
+                                   f"capture.token_budget={budget}", f"capture.shard_tokens={shard_tokens}"])
+        cfg.capture.writer_threads = writers
+        store = work / f"store-{dtype}"
+        s = capture.run(cfg, capture.Inputs(prepared_dir), store, target=target)
+        rows.append((dtype, s))
+        shutil.rmtree(store, ignore_errors=True)
+    return rows
+
+
+def print_table(target, tokens: int, budget: int, shard_tokens: int, writers: int, seconds: float, disk: float,
+                check: str, fwd: float, rows: list[tuple[str, dict]]) -> None:
+    """The closing summary: one row per storage dtype, against the forward-only rate and the disk's."""
+    device_name = torch.cuda.get_device_name(target.device) if target.device.type == "cuda" else \
+        f"CPU x{torch.get_num_threads()} threads"
+    print()
+    print(f"capture benchmark: {target.name} on {device_name}, {tokens:,} tokens, passes of <= {min(budget, shard_tokens):,} "
+          f"tokens, {writers} writer thread(s), {seconds:.0f} s in all")
+    print(f"disk write+fsync {disk / 1e6:,.0f} MB/s; automatic budget: {check}")
+    print("| store | forward tok/s | capture tok/s | capture/fwd | bytes/token | MB/s at fwd rate | MB/s written "
+          "| disk MB/s | loop waited s | bound |")
+    print("|-------|---------------|---------------|-------------|-------------|------------------|--------------"
+          "|-----------|---------------|-------|")
+    for dtype, s in rows:
+        need = fwd * s["bytes_per_token"]  # what the disk must take for capture to match forward-only
+        bound = f"disk ({disk / need:.2f} of need)" if need > disk else "forward"
+        print(f"| {dtype:<5} | {fwd:>13,.0f} | {s['tokens_per_s']:>13,.0f} | {s['tokens_per_s'] / fwd:>11.2f} "
+              f"| {s['bytes_per_token']:>11,.0f} | {need / 1e6:>16,.0f} | {s['write_mb_per_s']:>12,.0f} "
+              f"| {disk / 1e6:>9,.0f} | {s['writer_wait_s']:>13.1f} | {bound} |")
+
+
+def main() -> None:
+    args = parse_args()
     started = time.perf_counter()
     cuda = torch.cuda.is_available() and args.device != "cpu"
     device = "cuda" if cuda and args.device == "auto" else ("cpu" if args.device == "auto" else args.device)
@@ -216,7 +266,7 @@ def main() -> None:
     work.mkdir(parents=True, exist_ok=True)
     prepared_dir = make_prepared(work / "prepared", samples, min_len, max_len, min(target.vocab_size, 32000))
     prepared = load_prepared_arrays(prepared_dir)
-    from eyas.target.layers import default_aux_layers
+    from eyas.layers import default_aux_layers
 
     num_aux = len(default_aux_layers(target.num_layers))
     auto_budget = auto_token_budget(target, num_aux, max_len)
@@ -225,25 +275,13 @@ def main() -> None:
     print(f"{samples} samples, {tokens:,} tokens, lengths {min_len}..{max_len}, token budget {budget:,} "
           f"(automatic: {auto_budget:,}), shards of {shard_tokens:,} tokens (a pass never spans shards)", flush=True)
 
-    disk_gb = args.disk_gb or (4.0 if cuda else 0.5)
-    state_bytes = (num_aux + 1) * target.hidden_size * 2  # a bf16 shard's bytes per token, about
-    file_bytes = int(min(disk_gb * 1e9, max(16 << 20, shard_tokens * state_bytes)))
-    disk = disk_write_rate(work, int(disk_gb * 1e9), writers, file_bytes)
-    print(f"disk: {disk_gb:g} GB in files of {file_bytes / 1e6:,.0f} MB by {writers} thread(s), fsynced: "
-          f"{disk / 1e6:,.0f} MB/s", flush=True)
+    disk = measure_disk(work, args.disk_gb or (4.0 if cuda else 0.5), writers, shard_tokens, num_aux, target.hidden_size)
 
     # forward-only before and after the captures, so that drift over the run shows up
     fwd_before = forward_only(target, prepared, budget, shard_tokens)
     print(f"forward only: {fwd_before:,.0f} tok/s", flush=True)
-    rows = []
-    for dtype in [d for d in args.dtypes.split(",") if d]:
-        cfg = load_config("demo", [f"target.model={args.model}", f"capture.dtype={dtype}",
-                                   f"capture.token_budget={budget}", f"capture.shard_tokens={shard_tokens}"])
-        cfg.capture.writer_threads = writers
-        store = work / f"store-{dtype}"
-        s = capture(cfg, prepared_dir, store, target=target)
-        rows.append((dtype, s))
-        shutil.rmtree(store, ignore_errors=True)
+    rows = capture_stores(target, args.model, [d for d in args.dtypes.split(",") if d], prepared_dir, work, budget,
+                          shard_tokens, writers)
     fwd_after = forward_only(target, prepared, budget, shard_tokens)
     fwd = (fwd_before + fwd_after) / 2
     print(f"forward only again: {fwd_after:,.0f} tok/s (mean {fwd:,.0f})", flush=True)
@@ -255,22 +293,7 @@ def main() -> None:
     if not args.workdir:
         shutil.rmtree(work, ignore_errors=True)
 
-    device_name = torch.cuda.get_device_name(target.device) if target.device.type == "cuda" else \
-        f"CPU x{torch.get_num_threads()} threads"
-    print()
-    print(f"capture benchmark: {target.name} on {device_name}, {tokens:,} tokens, passes of <= {min(budget, shard_tokens):,} "
-          f"tokens, {writers} writer thread(s), {time.perf_counter() - started:.0f} s in all")
-    print(f"disk write+fsync {disk / 1e6:,.0f} MB/s; automatic budget: {check}")
-    print("| store | forward tok/s | capture tok/s | capture/fwd | bytes/token | MB/s at fwd rate | MB/s written "
-          "| disk MB/s | loop waited s | bound |")
-    print("|-------|---------------|---------------|-------------|-------------|------------------|--------------"
-          "|-----------|---------------|-------|")
-    for dtype, s in rows:
-        need = fwd * s["bytes_per_token"]  # what the disk must take for capture to match forward-only
-        bound = f"disk ({disk / need:.2f} of need)" if need > disk else "forward"
-        print(f"| {dtype:<5} | {fwd:>13,.0f} | {s['tokens_per_s']:>13,.0f} | {s['tokens_per_s'] / fwd:>11.2f} "
-              f"| {s['bytes_per_token']:>11,.0f} | {need / 1e6:>16,.0f} | {s['write_mb_per_s']:>12,.0f} "
-              f"| {disk / 1e6:>9,.0f} | {s['writer_wait_s']:>13.1f} | {bound} |")
+    print_table(target, tokens, budget, shard_tokens, writers, time.perf_counter() - started, disk, check, fwd, rows)
 
 
 if __name__ == "__main__":

@@ -19,7 +19,7 @@ import argparse
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from eyas.commands.eval import build_engine
+from eyas.speculative.build import build_engine
 from eyas.data.benchmarks import mtbench_questions
 from eyas.speculative.bench import encode_turn, settings_of
 from eyas.speculative.engine import SpecEngine

@@ -33,7 +33,7 @@ import traceback
 
 import torch
 
-from eyas.commands.eval import build_engine
+from eyas.speculative.build import build_engine
 from eyas.speculative import graphs
 from eyas.speculative.engine import SpecEngine
 from eyas.data.benchmarks import mtbench_questions

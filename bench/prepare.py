@@ -54,7 +54,7 @@ def main() -> None:
 
     import torch
 
-    from eyas.commands.prepare import run_prepare
+    from eyas.stages import prepare
     from eyas.config import load_config
     from eyas.target import load_target
 
@@ -71,7 +71,7 @@ def main() -> None:
             cfg = load_config("demo", ["data.regenerate=none", "data.max_length=4096", f"target.model={args.target}"])
             cfg.data.data = [str(src)]
             t0 = time.perf_counter()
-            s = run_prepare(cfg, tmp / "out", target)
+            s = prepare.run(cfg, prepare.Inputs(tuple(cfg.data.data)), tmp / "out", target=target)
             dt = time.perf_counter() - t0
             print(f"prepare: {s['num_kept']} conversations, {s['num_tokens']} tokens in {dt:.1f} s = "
                   f"{s['num_kept'] / dt:.0f} conversations/s end to end (read, template, tokenize, write, vocab); "
@@ -81,7 +81,7 @@ def main() -> None:
                                        f"data.regen_max_new_tokens={args.max_new_tokens}",
                                        f"data.regen_batch_size={args.batch_size}", f"target.model={args.target}"])
             t0 = time.perf_counter()
-            s = run_prepare(cfg, tmp / "regen", target)
+            s = prepare.run(cfg, prepare.Inputs(tuple(cfg.data.data)), tmp / "regen", target=target)
             dt = time.perf_counter() - t0
             r = s["regeneration"]
             print(f"regenerate: {r['num_responses']} responses, {r['num_tokens']} new tokens in "

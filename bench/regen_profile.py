@@ -19,6 +19,7 @@ candidate side by side (the candidate's tokens are compared with grouped SDPA's)
 from __future__ import annotations
 
 import argparse
+import functools
 import time
 from contextlib import nullcontext
 
@@ -70,7 +71,7 @@ class use_variant:
         regen.grouped_decode_sdpa = self.saved
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--batch", type=int, default=512)
     p.add_argument("--new-tokens", type=int, default=48)
@@ -80,60 +81,62 @@ def main() -> None:
                         "profiling")
     p.add_argument("--variant", choices=["grouped", "matmul"], default="grouped",
                    help="what to profile: eyas' grouped SDPA or the matmul candidate")
-    args = p.parse_args()
-    cuda = torch.cuda.is_available()
-    target = load_target("smollm2", device="cuda" if cuda else "cpu", dtype="bf16" if cuda else "fp32")
+    return p.parse_args()
+
+
+def batch_prompts(target, batch: int, prompt_tokens: int) -> list[list[int]]:
+    """`batch` built-in corpus prompts in the chat template, cut to `prompt_tokens` so every row is busy."""
     tok = target.tokenizer
     template = ChatTemplate(tok, stop_token_ids(tok, target.model.generation_config))
-    prompts = [template.prompt_ids([{"role": "user", "content": q["prompt"]}])[:args.prompt_tokens]
-               for q in default_prompts(args.batch)]
+    return [template.prompt_ids([{"role": "user", "content": q["prompt"]}])[:prompt_tokens]
+            for q in default_prompts(batch)]
+
+
+def decode(target, prompts, new_tokens: int, cuda: bool, keep=None) -> float:
+    """Seconds to decode the batch eagerly; each row's new tokens are appended to `keep` if given."""
     never = [-1]  # no row stops: every step runs the whole batch
+    if cuda:
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    out = generate_batch(target.model, prompts, max_new_tokens=new_tokens, stop_ids=never, pad_id=0,
+                         cuda_graphs=False)
+    if cuda:
+        torch.cuda.synchronize()
+    if keep is not None:
+        keep.extend(r["tokens"] for r in out)
+    return time.perf_counter() - t0
 
-    def run(keep=None):
-        if cuda:
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        out = generate_batch(target.model, prompts, max_new_tokens=args.new_tokens, stop_ids=never, pad_id=0,
-                             cuda_graphs=False)
-        if cuda:
-            torch.cuda.synchronize()
-        if keep is not None:
-            keep.extend(r["tokens"] for r in out)
-        return time.perf_counter() - t0
 
-    if args.variant == "matmul" or args.compare:
-        with use_variant(matmul_decode):
-            run()
-            candidate_tokens = []
-            candidate = run(candidate_tokens)
-    if args.variant == "matmul" and not args.compare:
-        wall = candidate
-    else:
+def time_transformers_path(run) -> float:
+    """Seconds of the same batch through transformers' own SDPA path (kv heads copied per layer), after a warm-up."""
+    saved = regen._GroupedDecode.__enter__
+    regen._GroupedDecode.__enter__ = lambda self: self
+    try:
         run()
-        grouped_tokens = []
-        wall = run(grouped_tokens)
-    if args.compare:  # the same batch through transformers' own SDPA path (kv heads copied per layer)
-        saved = regen._GroupedDecode.__enter__
-        regen._GroupedDecode.__enter__ = lambda self: self
-        try:
-            run()
-            plain = run()
-        finally:
-            regen._GroupedDecode.__enter__ = saved
-        print(f"\nbatch {args.batch}, {args.new_tokens} new tokens after {max(len(x) for x in prompts)}-token prompts")
-        print("| attention for decoding | wall ms per step (prefill included) | new tok/s |")
-        print("|---|---|---|")
-        for name, seconds in (("transformers SDPA (kv heads copied)", plain), ("eyas grouped SDPA", wall),
-                              ("candidate: grouped matmul, no SDPA", candidate)):
-            print(f"| {name} | {1000 * seconds / args.new_tokens:.2f} | {args.batch * args.new_tokens / seconds:,.0f} |")
-        same = sum(a == b for a, b in zip(candidate_tokens, grouped_tokens))
-        print(f"grouped SDPA {plain / wall:.2f}x and candidate {plain / candidate:.2f}x of transformers' path; "
-              f"candidate rows equal to grouped SDPA's: {same}/{len(grouped_tokens)}")
-        return
+        return run()
+    finally:
+        regen._GroupedDecode.__enter__ = saved
+
+
+def print_comparison(batch: int, new_tokens: int, prompts, plain: float, wall: float, candidate: float,
+                     candidate_tokens: list, grouped_tokens: list) -> None:
+    print(f"\nbatch {batch}, {new_tokens} new tokens after {max(len(x) for x in prompts)}-token prompts")
+    print("| attention for decoding | wall ms per step (prefill included) | new tok/s |")
+    print("|---|---|---|")
+    for name, seconds in (("transformers SDPA (kv heads copied)", plain), ("eyas grouped SDPA", wall),
+                          ("candidate: grouped matmul, no SDPA", candidate)):
+        print(f"| {name} | {1000 * seconds / new_tokens:.2f} | {batch * new_tokens / seconds:,.0f} |")
+    same = sum(a == b for a, b in zip(candidate_tokens, grouped_tokens))
+    print(f"grouped SDPA {plain / wall:.2f}x and candidate {plain / candidate:.2f}x of transformers' path; "
+          f"candidate rows equal to grouped SDPA's: {same}/{len(grouped_tokens)}")
+
+
+def profile_decode(run, cuda: bool, matmul: bool) -> float:
+    """One decode under torch.profiler; prints the top operators and returns the device ms in all."""
     from torch.profiler import ProfilerActivity, profile
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    with profile(activities=acts) as prof, (use_variant(matmul_decode) if args.variant == "matmul" else nullcontext()):
+    with profile(activities=acts) as prof, (use_variant(matmul_decode) if matmul else nullcontext()):
         run()
     events = prof.key_averages()
     dev_key = "self_device_time_total" if cuda else "self_cpu_time_total"
@@ -147,6 +150,32 @@ def main() -> None:
     print(events.table(sort_by=dev_key, row_limit=14, max_name_column_width=60))
     if cuda:
         print(events.table(sort_by="self_cpu_time_total", row_limit=10, max_name_column_width=60))
+    return dev_total
+
+
+def main() -> None:
+    args = parse_args()
+    cuda = torch.cuda.is_available()
+    target = load_target("smollm2", device="cuda" if cuda else "cpu", dtype="bf16" if cuda else "fp32")
+    prompts = batch_prompts(target, args.batch, args.prompt_tokens)
+    run = functools.partial(decode, target, prompts, args.new_tokens, cuda)
+
+    if args.variant == "matmul" or args.compare:
+        with use_variant(matmul_decode):
+            run()
+            candidate_tokens = []
+            candidate = run(candidate_tokens)
+    if args.variant == "matmul" and not args.compare:
+        wall = candidate
+    else:
+        run()
+        grouped_tokens = []
+        wall = run(grouped_tokens)
+    if args.compare:
+        plain = time_transformers_path(run)
+        print_comparison(args.batch, args.new_tokens, prompts, plain, wall, candidate, candidate_tokens, grouped_tokens)
+        return
+    dev_total = profile_decode(run, cuda, args.variant == "matmul")
     width = max(len(x) for x in prompts)
     print(f"\nbatch {args.batch}, prompts padded to {width} tokens, {args.new_tokens} new tokens, "
           f"{'bf16 on ' + torch.cuda.get_device_name() if cuda else 'fp32 on the CPU'}")

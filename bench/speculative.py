@@ -21,7 +21,8 @@ from eyas.speculative.bench import encode_turn, parse_tree
 from eyas.speculative.engine import SpecEngine
 from eyas.speculative.oracle import ScriptedDraft, untrained_draft
 from eyas.speculative.target import TargetRunner, causal_mask
-from eyas.target import load_target, resolve_aux_layers
+from eyas.layers import resolve_aux_layers
+from eyas.target import load_target
 
 PROMPTS = ["Explain in a few sentences why the sky is blue.",
            "Write a Python function that checks whether a number is prime.",

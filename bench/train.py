@@ -195,7 +195,7 @@ def free(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
-def main(argv=None) -> int:
+def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     group = p.add_mutually_exclusive_group()
     group.add_argument("--small", action="store_true", help="SmolLM2-135M shape")
@@ -215,9 +215,11 @@ def main(argv=None) -> int:
     p.add_argument("--budget-s", type=float, default=170.0, help="skip what is left once this much time is spent")
     p.add_argument("--profile", action="store_true",
                    help="after the table, profile two steps of the fastest configuration (operators by GPU time)")
-    args = p.parse_args(argv)
+    return p.parse_args(argv)
 
-    t_begin = time.perf_counter()
+
+def shape_from_args(args: argparse.Namespace) -> dict:
+    """The named shape (8B unless --tiny or --small) with any size given on the command line."""
     shape = dict(SHAPES["tiny" if args.tiny else "small" if args.small else "8b"])
     for k in shape:
         if getattr(args, k.replace("-", "_"), None) is not None:
@@ -225,49 +227,50 @@ def main(argv=None) -> int:
     for k in ("kv_heads", "draft_vocab"):
         if getattr(args, k) is not None:
             shape[k] = getattr(args, k)
-    device = torch.device(args.device)
-    cuda = device.type == "cuda"
-    dtype = args.dtype or ("bf16" if cuda else "fp32")
-    steps = args.steps or (8 if cuda else 2)
-    batch = args.batch or (4 if cuda else 2)
-    configs = (args.configs or ("reference,dense,flex+compile,dense+compile" if cuda else "reference,dense")).split(",")
-    nominal = args.peak_tflops or (989.0 if cuda and dtype == "bf16" else None)
-    measured = matmul_tflops(device, torch.bfloat16 if dtype == "bf16" else torch.float32)
-    bench = Bench(shape, device, dtype)
-    t = shape["seq"]
+    return shape
 
-    results, notes = [], []
+
+def time_configs(bench: Bench, configs: list[str], batch: int, t: int, steps: int, warmup: int,
+                 t_begin: float, budget_s: float, notes: list[str]) -> list[dict]:
+    """Each configuration's timing, in order; failures and skips go to `notes`."""
+    results = []
     for config in configs:
-        if time.perf_counter() - t_begin > args.budget_s:
-            notes.append(f"{config}: skipped (time budget of {args.budget_s:.0f} s spent)")
+        if time.perf_counter() - t_begin > budget_s:
+            notes.append(f"{config}: skipped (time budget of {budget_s:.0f} s spent)")
             continue
         try:
-            r = bench.time(config, batch, t, steps, args.warmup)
+            r = bench.time(config, batch, t, steps, warmup)
             results.append(r)
             print(f"{config}: {r['step_s'] * 1000:.1f} ms/step, {r['tokens_per_s']:,.0f} tok/s, "
                   f"{r['tflops']:.1f} TFLOP/s, {r['peak_GiB']:.1f} GiB, loss {r['loss']:.4f}", flush=True)
         except Exception as e:  # noqa: BLE001 - a configuration that fails is reported, not fatal
             notes.append(f"{config}: failed: {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}")
             print(notes[-1], flush=True)
-        free(device)
+        free(bench.device)
+    return results
 
-    # the longest sequence (batch 1) that fits, with the fastest configuration that ran
+
+def longest_sequence(bench: Bench, config: str, t: int, max_seq: int, t_begin: float, budget_s: float,
+                     notes: list[str]) -> int | None:
+    """The longest sequence (batch 1, doubling from `t`) that `config` fits, or None if no larger one was."""
     longest = None
-    best = max(results, key=lambda r: r["tokens_per_s"]) if results else None
-    max_seq = args.max_seq if args.max_seq is not None else (131072 if cuda else 0)
-    if best and max_seq:
-        size = t
-        while size * 2 <= max_seq and time.perf_counter() - t_begin < args.budget_s:
-            size *= 2
-            if not bench.fits(best["config"], size):
-                notes.append(f"longest sequence: {size} tokens does not fit ({best['config']}, batch 1)")
-                break
-            longest = size
-        if longest is None and size == t:
-            notes.append("longest sequence: not searched (time budget spent)")
+    size = t
+    while size * 2 <= max_seq and time.perf_counter() - t_begin < budget_s:
+        size *= 2
+        if not bench.fits(config, size):
+            notes.append(f"longest sequence: {size} tokens does not fit ({config}, batch 1)")
+            break
+        longest = size
+    if longest is None and size == t:
+        notes.append("longest sequence: not searched (time budget spent)")
+    return longest
 
-    # ---- the table, last
+
+def print_table(shape: dict, device: torch.device, dtype: str, batch: int, t: int, results: list[dict],
+                measured: float | None, nominal: float | None) -> None:
+    """The run's description, the MFU ceiling and one row per configuration that ran."""
     print()
+    cuda = device.type == "cuda"
     dev_name = torch.cuda.get_device_name(device) if cuda else f"cpu ({torch.get_num_threads()} threads)"
     print(f"device {dev_name}, {dtype}, torch {torch.__version__}; draft H {shape['hidden']}, heads {shape['heads']}/"
           f"{shape['kv_heads']}, I {shape['intermediate']}, Vd {shape['draft_vocab']}, V {shape['vocab']}, "
@@ -283,6 +286,35 @@ def main(argv=None) -> int:
     widths = [max(len(x) for x in col) for col in zip(header, *rows)]
     for row in [header, *rows]:
         print("  ".join(x.ljust(w) for x, w in zip(row, widths)))
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    t_begin = time.perf_counter()
+    shape = shape_from_args(args)
+    device = torch.device(args.device)
+    cuda = device.type == "cuda"
+    dtype = args.dtype or ("bf16" if cuda else "fp32")
+    steps = args.steps or (8 if cuda else 2)
+    batch = args.batch or (4 if cuda else 2)
+    configs = (args.configs or ("reference,dense,flex+compile,dense+compile" if cuda else "reference,dense")).split(",")
+    nominal = args.peak_tflops or (989.0 if cuda and dtype == "bf16" else None)
+    measured = matmul_tflops(device, torch.bfloat16 if dtype == "bf16" else torch.float32)
+    bench = Bench(shape, device, dtype)
+    t = shape["seq"]
+
+    notes = []
+    results = time_configs(bench, configs, batch, t, steps, args.warmup, t_begin, args.budget_s, notes)
+
+    # the longest sequence (batch 1) that fits, with the fastest configuration that ran
+    longest = None
+    best = max(results, key=lambda r: r["tokens_per_s"]) if results else None
+    max_seq = args.max_seq if args.max_seq is not None else (131072 if cuda else 0)
+    if best and max_seq:
+        longest = longest_sequence(bench, best["config"], t, max_seq, t_begin, args.budget_s, notes)
+
+    # ---- the table, last
+    print_table(shape, device, dtype, batch, t, results, measured, nominal)
     if best:
         print(f"longest sequence that fits (batch 1, {best['config']}): "
               + (f"{longest:,} tokens" if longest else f"{t:,} tokens (larger sizes not tried or not fitting)"))

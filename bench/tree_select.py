@@ -42,7 +42,7 @@ import time
 
 import torch
 
-from eyas.commands.eval import build_engine
+from eyas.speculative.build import build_engine
 from eyas.data.template import stop_token_ids
 from eyas.speculative.accept import walk_greedy
 from eyas.speculative.bench import encode_turn, load_bench, parse_tree

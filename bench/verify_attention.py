@@ -2,7 +2,7 @@
 
     python bench/verify_attention.py [--queries 1,37,49] [--widths 256,512,1024] [--layers 30]
 
-The ninth session's profile (docs/PERFORMANCE.md) put 40 % of a tree verify pass's extra cost over a plain
+A profile of the graphed tree (docs/PERFORMANCE.md) put 40 % of a tree verify pass's extra cost over a plain
 step in attention: SmolLM2's 30 layers took 6 us each for one query and 18 us for 37 masked queries, every
 call over all 1,024 slots of the static cache. This measures the call alone, shaped as the engine makes it
 (transformers with an explicit boolean mask: keys and values repeated to the query heads, no causal flag):

@@ -12,17 +12,8 @@ import argparse
 import importlib
 import sys
 
-# subcommand -> (module, the issue that brings it when the module is missing)
-COMMANDS = {
-    "run": ("eyas.commands.run", "issue 8 (One command end to end)"),
-    "prepare": ("eyas.commands.prepare", "issue 3 (Data)"),
-    "capture": ("eyas.commands.capture", "issue 4 (Capture)"),
-    "train": ("eyas.commands.train", "issue 5 (Training)"),
-    "eval": ("eyas.commands.eval", "issue 6 (Speculative decoding)"),
-    "export": ("eyas.commands.export", "issue 7 (Export)"),
-    "verify": ("eyas.commands.verify", "issue 4 (Capture)"),
-    "gpus": ("eyas.commands.gpus", "issue 8 (One command end to end)"),
-}
+COMMANDS = {name: f"eyas.commands.{name}" for name in
+            ("run", "prepare", "capture", "train", "eval", "export", "verify", "gpus")}
 SUMMARIES = {
     "run": "run the whole pipeline (prepare, regenerate, capture, train, eval, export) in a run directory",
     "prepare": "conversations -> token ids, assistant loss masks and the draft vocabulary",
@@ -36,13 +27,7 @@ SUMMARIES = {
 
 
 def _load(name: str):
-    module, _ = COMMANDS[name]
-    try:
-        return importlib.import_module(module)
-    except ModuleNotFoundError as e:
-        if e.name == module:
-            return None
-        raise
+    return importlib.import_module(COMMANDS[name])
 
 
 def build_parser(only: str | None = None) -> argparse.ArgumentParser:
@@ -57,7 +42,7 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     for name in COMMANDS:
         mod = _load(name) if name == only else None
         help_ = SUMMARIES[name]
-        epilog = getattr(mod, "EPILOG", None) if mod is not None else None
+        epilog = getattr(mod, "EPILOG", None)
         p = sub.add_parser(name, help=help_, description=help_, epilog=epilog,
                            formatter_class=argparse.RawDescriptionHelpFormatter)
         if mod is not None:
@@ -76,10 +61,6 @@ def main(argv: list[str] | None = None) -> int:
         parser.parse_args(argv)  # prints help/version or the "invalid choice" error and exits
         return 2
     mod = _load(command)
-    if mod is None:
-        build_parser().parse_args(argv)  # so that `eyas X --help` still works
-        print(f"eyas {command}: not implemented yet; it arrives with {COMMANDS[command][1]}", file=sys.stderr)
-        return 3
     args = build_parser(only=command).parse_args(argv)
     from eyas.common import EyasError
     from eyas.config import ConfigError

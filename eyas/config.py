@@ -205,7 +205,7 @@ class TrainConfig:
     compile: bool = False  # torch.compile the unrolled draft step (CUDA only; ignored on CPU)
     # with compile: also compile the soft cross-entropy's passes over the [N, Vd] logits (eager, they were most
     # of the element-wise time of a SmolLM2-sized step): 2.21x faster steps on an H200, same loss (the full
-    # preset turns it on; docs/PERFORMANCE.md, twelfth session). Costs about 80 s of compiling once
+    # preset turns it on; docs/PERFORMANCE.md). Costs about 80 s of compiling once
     compile_loss: bool = False
     val_samples: int = 0  # samples held out of training, scored every val_every steps (0 = none)
     val_every: int = 100  # optimizer steps between held-out scorings (and at the last step)
@@ -249,7 +249,7 @@ class EvalConfig:
     # on a GPU with eval.cuda_graphs, the draft-side passes (a chain's or a tree's drafting with its
     # bookkeeping, a rebuild) are compiled by torch.compile (inductor) before their graphs are captured, so that
     # their small kernels fuse: a tree 16,4,48 cycle 1.64 -> 1.46 plain steps on an H200, 1.78x -> 1.97x on
-    # MT-bench (docs/PERFORMANCE.md, thirteenth session). Compiling costs some seconds per setting at its first
+    # MT-bench (docs/PERFORMANCE.md). Compiling costs some seconds per setting at its first
     # generation. No effect elsewhere (a warning says so); `eyas eval --compile-draft` refuses to run there
     compile_draft: bool = False
 
@@ -338,41 +338,25 @@ def demo() -> RunConfig:
 
 
 def full() -> RunConfig:
-    """SmolLM2 on one GPU: 27,000 regenerated samples, a K = 7 draft, chains and a tree on two benchmarks."""
+    """SmolLM2 on one GPU: 27,000 regenerated samples, a K = 7 draft, chains and a tree on two benchmarks
+    (its figures, and how each choice was measured: docs/PERFORMANCE.md)."""
     return RunConfig(
         name="full",
         target=TargetConfig(model="smollm2"),
-        # regeneration decodes 512 slots at once, each refilled as its row ends, one CUDA graph per step:
-        # 48k new tokens/s on an H200 (docs/PERFORMANCE.md, eighth session).
-        # A draft trained on 6,000 corpus prompts (made from Python docstrings) reached 0.49 first-token
-        # acceptance on its training prompts and 0.25 on MT-bench: most prompts are now chat requests the
-        # target writes itself (data.self_prompts), 1,500 come from the corpus. Held-out acc_0: 0.45 with 5,000
-        # samples x 4 epochs, 0.62 with 18,000 x 3 (MT-bench tau 2.67 with tree 16,4,48), 0.73 with 24,000 x 4
-        # (1,520 steps; tau 3.06), 0.72 with 27,000 x 4 (1,712 steps; tau 2.98, 1.80x): 17.7 min end to end on an
-        # H200 with the compiled loss, 46.5 GiB of bf16 store (twelfth and thirteenth sessions; the device has
-        # 64 GiB of disk)
+        # 512 regeneration slots, each refilled as its row ends, one CUDA graph per decoding step. Most prompts are
+        # chat requests the target writes itself (data.self_prompts): a draft trained on the corpus prompts alone
+        # (made from Python docstrings) learns little that carries over to chat benchmarks
         data=DataConfig(num_prompts=1500, self_prompts=25500, max_length=2048, regenerate="local",
                         regen_max_new_tokens=512, regen_batch_size=512, draft_vocab=32000),
         capture=CaptureConfig(dtype="bf16", shard_tokens=262144),
-        # flex attention + torch.compile: 52.5 % MFU against 35.7 % for dense on an H200 (docs/PERFORMANCE.md)
-        # 27,000 samples make about 430 steps of 32,768 tokens per epoch. The first H200 run (65,536 tokens,
-        # 4 epochs, 284 steps, 200 of them warmup) stopped at acc_0 0.48 while still improving fast:
-        # more, smaller steps and a short warmup (docs/PERFORMANCE.md)
-        # 120 samples held out: the accuracy on the training batches (0.69) hid that the draft reached 0.24
-        # on MT-bench; the held-out figure shows the gap while training
+        # flex attention + torch.compile for the fastest training step; many smaller steps with a short warmup;
+        # 120 samples held out, because the accuracy on training batches hides how the draft does on new text
         train=TrainConfig(epochs=4, ttt=7, lr=5e-4, warmup_steps=40, batch_tokens=32768, log_every=20,
                           save_every=1000, attention="flex", compile=True, compile_loss=True, val_samples=120,
                           val_every=100),
-        # greedy chains, the tree and plain decoding replay CUDA graphs (one device read per cycle), the draft's
-        # passes compiled. With them, the 27,000-sample draft of the thirteenth session: tree 16,5,64 2.18x /
-        # 1.78x on MT-bench / HumanEval (tau 3.40 / 2.75), 16,4,48 1.97x / 1.80x (2.94 / 2.66); uncompiled,
-        # 16,4,48 1.78x / 1.62x. A compiled draft makes depth cheap (a tree's draft phase 1.01 -> 0.55 ms), so
-        # the deeper tree now gives the best mean of the two benchmarks. Uncompiled, on the twelfth session's
-        # draft, trees of depth 4 and 5 were within a few percent of each other (16,4,48 1.80x / 1.61x, 16,5,64
-        # 1.82x / 1.53x), and on the 18,000-sample draft 16,4,48, 20,3,48, 12,3,36, 24,4,64, 16,5,64 and 12,4,48
-        # all lay between 1.42x and 1.48x on MT-bench (docs/PERFORMANCE.md, "Ninth session"). On the
-        # seventeenth session's draft (fine-tuned twice on code-steered data), 16,6,80 against 16,5,64:
-        # HumanEval 2.16x / 2.17x, MT-bench 2.19x / 2.03x
+        # greedy chains, the tree and plain decoding replay CUDA graphs (one device read per cycle) and the
+        # draft's passes are compiled, which makes a deep tree cheap: 16,6,80 gave the best mean speedup of the
+        # two benchmarks among the trees measured
         eval=EvalConfig(benches=["mt-bench", "humaneval"], steps=[3, 5, 7], tree="16,6,80", max_new_tokens=256,
                         limit=12, hf_baseline=False, compile_draft=True),
     )

@@ -29,12 +29,6 @@ def test_unknown_subcommand_fails():
     assert out.returncode == 2 and "invalid choice" in out.stderr
 
 
-def test_missing_stage_says_not_implemented(monkeypatch, capsys):
-    monkeypatch.setitem(COMMANDS, "gpus", ("eyas.commands._does_not_exist", "issue 99 (Later)"))
-    assert main(["gpus"]) == 3
-    assert "not implemented yet; it arrives with issue 99 (Later)" in capsys.readouterr().err
-
-
 def test_bad_aux_layers_on_a_command_line_are_one_line_errors(tmp_path, capsys):
     data = tmp_path / "d.jsonl"
     data.write_text('{"id": "a", "prompt": "hi", "response": "hello"}\n')

@@ -43,8 +43,7 @@ def config_from_args(args):
 
 
 def main(args) -> int:
-    from eyas.store import capture
+    from eyas.stages import capture
 
-    cfg = config_from_args(args)
-    summary = capture(cfg, args.data, args.out)
+    summary = capture.run(config_from_args(args), capture.Inputs(prepared=args.data), args.out)
     return 0 if summary["complete"] else 1

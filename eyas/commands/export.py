@@ -23,7 +23,8 @@ def add_arguments(parser) -> None:
 
 def main(args) -> int:
     from eyas.config import load_config
-    from eyas.export import FORMATS, export
+    from eyas.formats import FORMATS
+    from eyas.stages import export
 
     sets = list(args.set)
     if args.to:
@@ -33,7 +34,7 @@ def main(args) -> int:
         sets.append(f"export.dtype={args.dtype}")
     if args.embed:
         sets.append("export.embed_tokens=true")
-    cfg = load_config(args.config, sets).export
-    paths = export(args.draft, args.out, cfg.formats, dtype=cfg.dtype, embed_tokens=cfg.embed_tokens)
-    print(f"exported {len(paths)} format(s) from {args.draft}; each directory's README.md has the launch command")
+    summary = export.run(load_config(args.config, sets), export.Inputs(draft=args.draft), args.out)
+    print(f"exported {len(summary['formats'])} format(s) from {args.draft}; each directory's README.md has the "
+          f"launch command")
     return 0

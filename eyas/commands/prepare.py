@@ -12,7 +12,6 @@ cannot be used are skipped with a reason, counted in DIR/prepare.json; --strict 
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 from eyas.commands import flag_overrides
@@ -84,62 +83,15 @@ def config_from_args(args):
     return cfg
 
 
-def run_prepare(cfg, out_dir, target=None) -> dict:
-    """The pipeline's entry point: load the target named by cfg.target if none is given, then prepare.
-
-    Returns prepare.json's content; also writes OUT/summary.json (see `stage_summary`).
-    """
-    from eyas.common import atomic_write_json
-    from eyas.data import prepare
-
-    t0 = time.perf_counter()
-    if target is None:
-        from eyas.target import load_target
-
-        target = load_target(cfg.target.model, device=cfg.target.device, dtype=cfg.target.dtype)
-    load_s = time.perf_counter() - t0
-    summary = prepare(cfg, out_dir, target)
-    atomic_write_json(Path(out_dir) / "summary.json", stage_summary(summary, time.perf_counter() - t0, load_s))
-    return summary
-
-
-def stage_summary(prep: dict, wall_s: float, load_s: float) -> dict:
-    """The stage's figures in the keys every stage's summary.json uses (the pipeline reads samples_per_s).
-
-    `tokens` counts every token of the kept samples; regeneration figures count this run's work only
-    (a resumed run skips what an earlier one wrote).
-    """
-    regen = prep.get("regeneration") or {}
-    regen_s = regen.get("seconds_this_run") or 0.0
-    regen_tokens = regen.get("num_tokens_this_run") or 0
-    return {
-        "stage": "prepare",
-        "wall_s": round(wall_s, 3),
-        "target_load_s": round(load_s, 3),
-        "samples": prep["num_kept"],
-        "samples_per_s": round(prep["num_kept"] / wall_s, 3) if wall_s > 0 else None,
-        "tokens": prep["num_tokens"],
-        "loss_tokens": prep["num_loss_tokens"],
-        "read": prep["num_read"],
-        "skipped": prep["dropped"],  # {reason: count}; reasons are explained in prepare.json
-        "skipped_total": prep["num_dropped"],
-        "truncated": prep["length_policy"]["num_truncated"],
-        "regenerated": regen.get("num_responses_this_run", 0),
-        "regen_tokens": regen_tokens,
-        "regen_s": regen_s,
-        "regen_tokens_per_s": round(regen_tokens / regen_s, 2) if regen_s > 0 and regen_tokens else None,
-        "tokenize_conversations_per_s": prep.get("tokenize_conversations_per_s"),
-        "draft_vocab_coverage": prep["vocab"]["coverage"],
-    }
-
-
 def main(args) -> int:
     from eyas.common import EyasError, print0, save_config
+
+    from eyas.stages import prepare
 
     cfg = config_from_args(args)
     out = Path(args.out)
     try:
-        summary = run_prepare(cfg, out)
+        summary = prepare.run(cfg, prepare.Inputs(data=tuple(cfg.data.data)), out)
         save_config(cfg, out / "config.yaml")
     except OSError as e:  # a full disk or a read-only directory is the user's to fix, not a traceback
         raise EyasError(f"{e.filename or out}: {e.strerror or e}") from None

@@ -17,16 +17,10 @@ def add_arguments(parser) -> None:
 
 
 def main(args) -> int:
-    from eyas.store.verify import verify_store
+    from eyas.stages import verify
 
-    target = None
-    if args.target or args.device != "auto":
-        from eyas.store.manifest import read_manifest
-        from eyas.target import load_target
-
-        spec = args.target or read_manifest(args.store).get("target_model")
-        target = load_target(spec, device=args.device, dtype="fp32")
-    report = verify_store(args.store, target=target, num_samples=args.samples, seed=args.seed)
+    report = verify.run(args.store, target_model=args.target, device=args.device, num_samples=args.samples,
+                        seed=args.seed)
     print(f"{args.store}: {report['num_shards']} shards, {report['num_samples']:,} samples, "
           f"{report['num_tokens']:,} tokens, {report['dtype']}, {'complete' if report['complete'] else 'INCOMPLETE'}")
     if report["nonfinite_ids"]:

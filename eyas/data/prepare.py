@@ -265,7 +265,7 @@ def prepare(cfg: RunConfig, out_dir: str | Path, target) -> dict:
     """Run the whole data stage into `out_dir` with a loaded target; returns the prepare.json summary.
 
     `data` sits below `target` in the layering, so the caller loads the target
-    (eyas.commands.prepare.run_prepare does it from cfg.target).
+    (eyas.stages.prepare.run does it from cfg.target).
     """
     from eyas.data.vocab import build_vocab, count_tokens, save_vocab
 

@@ -1,4 +1,5 @@
-"""Read a prepared directory (docs/INTERNALS.md "Prepared data") into flat token arrays for capture."""
+"""Read a prepared directory (docs/INTERNALS.md "Prepared data") into flat token arrays, for capture and online
+training."""
 
 from __future__ import annotations
 
@@ -35,16 +36,27 @@ class Prepared:
         return self.masks[self.offsets[row]:self.offsets[row + 1]]
 
 
-def _open_dataset(path: Path):
-    try:
-        from eyas.data import load_prepared  # the data package's reader, once it exists
-    except ImportError:
-        load_prepared = None
-    if load_prepared is not None:
-        return load_prepared(path)
-    import datasets
+class PreparedSamples:
+    """Map-style samples `{input_ids, loss_mask}` (int64 tensors [T]) over a prepared directory: what online
+    training reads, the target computing each batch's features as it goes."""
 
-    return datasets.load_from_disk(str(path / "dataset"))
+    def __init__(self, prepared: Prepared):
+        self.prepared = prepared
+
+    def __len__(self) -> int:
+        return len(self.prepared)
+
+    def __getitem__(self, i: int) -> dict:
+        import torch
+
+        return {"input_ids": torch.from_numpy(self.prepared.input_ids(i).copy()),
+                "loss_mask": torch.from_numpy(self.prepared.loss_mask(i).astype("int64"))}
+
+
+def _open_dataset(path: Path):
+    from eyas.data.prepare import load_prepared
+
+    return load_prepared(path)
 
 
 def _flat(column) -> tuple[np.ndarray, np.ndarray]:

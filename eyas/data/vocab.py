@@ -1,4 +1,4 @@
-"""The draft vocabulary: the `Vd` target token ids most often under the loss mask (REFERENCE.md section 2).
+"""The draft vocabulary: the `Vd` target token ids most often under the loss mask (docs/ALGORITHM.md section 2).
 
 `d2t[i]` (int64 [Vd]) is an offset: target id = i + d2t[i]; `t2d` (bool [V]) marks the chosen target
 ids. Draft ids are the chosen target ids in ascending order, so d2t is non-decreasing and the map is

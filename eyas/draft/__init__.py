@@ -1,4 +1,4 @@
-"""The EAGLE-3 draft model (REFERENCE.md section 2) as a plain nn.Module; no training, I/O or devices.
+"""The EAGLE-3 draft model (docs/ALGORITHM.md section 2) as a plain nn.Module; no training, I/O or devices.
 
 API (stable; the trainer, the speculative-decoding engine and the exporters code against it):
 

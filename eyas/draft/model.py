@@ -1,4 +1,4 @@
-"""The EAGLE-3 draft as a plain nn.Module (REFERENCE.md section 2), and its rotary embedding.
+"""The EAGLE-3 draft as a plain nn.Module (docs/ALGORITHM.md section 2), and its rotary embedding.
 
 Parameter names are the export keys; nothing here knows about training, devices or files.
 """

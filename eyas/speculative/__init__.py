@@ -1,5 +1,5 @@
 """Speculative decoding with an EAGLE-3 draft: chain and EAGLE-2 tree drafting, lossless acceptance,
-acceptance statistics and benchmarks (REFERENCE.md section 4).
+acceptance statistics and benchmarks (docs/ALGORITHM.md section 4).
 
     engine = SpecEngine(target.model, draft, aux_layers)          # aux ids in the HF convention
     res = engine.generate(ids, 128, steps=5)                       # or tree=(topk, depth, total)
@@ -9,7 +9,7 @@ acceptance statistics and benchmarks (REFERENCE.md section 4).
 Modules: target.py (preallocated KV cache, masks, one target forward with aux hooks), drafting.py
 (chain, tree), accept.py (greedy and sampling rules), engine.py (the cycle), stats.py (tau, per
 position acceptance, plot), bench.py (MT-bench, HumanEval, JSONL; baselines; result files),
-oracle.py (scripted drafts for tests and the engine's ceiling). `eyas eval` is eyas/commands/eval.py.
+oracle.py (scripted drafts for tests and the engine's ceiling). `eyas eval` is eyas/stages/eval.py; build.py loads a draft into an engine.
 """
 
 from eyas.speculative.engine import GenResult, SpecEngine

@@ -1,4 +1,4 @@
-"""Acceptance of drafted tokens against the target's logits (REFERENCE.md section 4).
+"""Acceptance of drafted tokens against the target's logits (docs/ALGORITHM.md section 4).
 
 Rows of `logits` are the target's predictions after the root (row 0) and after each proposal node
 (row i + 1 for node i). Walking down from the root:

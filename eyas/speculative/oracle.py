@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from eyas.draft import DraftConfig, DraftOutput, Eagle3Draft
-from eyas.target import resolve_aux_layers
+from eyas.layers import resolve_aux_layers
 
 
 class ScriptedDraft:

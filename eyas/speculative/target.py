@@ -11,7 +11,7 @@ simply overwritten by the next call.
 transformers hands to the attention unchanged, so one code path serves prefill, plain decoding,
 chain verification (causal) and tree verification (ancestor mask). The aux hidden states of every
 fed token come from forward hooks on the decoder layers in that same pass (HF index k is the
-output of decoder layer k-1; REFERENCE.md section 1).
+output of decoder layer k-1; docs/ALGORITHM.md section 1).
 
 The buffers have a fixed capacity, so a later static-shape/CUDA-graph path only has to keep the
 query length fixed and return the full buffers (the mask already covers unused slots).

@@ -1,6 +1,6 @@
 """The store's manifest: what a store holds, which shards are committed, and refusal of a wrong store.
 
-Layout of STORE/ (DESIGN.md "Contracts", docs/INTERNALS.md "Store"):
+Layout of STORE/ (docs/FORMATS.md and docs/INTERNALS.md "Store"):
   manifest.json             the committed state; replaced atomically after each shard is renamed into place
   manifest.rank-NNNNN.json  shards committed by rank N of a torchrun capture, merged into manifest.json at the end
   shard-NNNNN.safetensors   packed samples: input_ids, loss_mask, aux_hidden, final_hidden, offsets, sample_index
@@ -19,15 +19,14 @@ from pathlib import Path
 
 from eyas.common import EyasError, atomic_write_json, read_json
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 MANIFEST = "manifest.json"
 HEAD_FILE = "target_head.safetensors"
 SUMMARY = "summary.json"  # the last capture run's figures (wall_s, tokens_per_s, bytes_per_token, ...)
 FP8_MAX = 448.0  # largest finite float8_e4m3fn value
 # keys that must agree between a store on disk and a capture that resumes into it
-RESUME_KEYS = ("schema_version", "target", "aux_layers", "dtype", "shard_tokens", "prepared", "plan")
-# keys a store written before they existed lacks: compared on resume only when the store has them
-RESUME_KEYS_SINCE = ("compute_dtype",)
+# (compute_dtype: the target's own dtype; a resume in another would mix states of two precisions in one store)
+RESUME_KEYS = ("schema_version", "target", "aux_layers", "dtype", "compute_dtype", "shard_tokens", "prepared", "plan")
 
 
 def shard_file(index: int) -> str:

@@ -1,4 +1,4 @@
-"""`eyas verify`: check a store's files against its manifest, then recompute samples with the target.
+"""Checking a store: its files against its manifest, and stored states against recomputed ones.
 
 Every problem is collected as one line; the store is good when the list is empty. Recomputation runs
 each chosen sample alone (batch 1, no padding) through the same hooks and compares every stored layer two
@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from eyas.common import EyasError, sha256_file
+from eyas.common import sha256_file
 from eyas.store.codec import STORAGE_DTYPES, TOLERANCE, parts
 from eyas.store.manifest import HEAD_FILE, committed_shards, nonfinite_ids, read_manifest
 
@@ -94,60 +94,51 @@ def _st_dtype(dtype: torch.dtype) -> str:
     return {torch.float32: "F32", torch.bfloat16: "BF16", torch.float8_e4m3fn: "F8_E4M3"}[dtype]
 
 
-def recompute(store: Path, manifest: dict, target, num_samples: int, seed: int = 0) -> tuple[list[dict], list[str]]:
-    """Rerun num_samples random samples through the target; one row per (sample, layer)."""
-    from eyas.store.reader import StoreReader
-    from eyas.target.capture import FeatureCapture
-
-    problems = []
-    if target.identity.get("config_hash") != manifest["target"].get("config_hash"):
-        problems.append(f"target {target.name} (config {target.identity.get('config_hash')}) is not the store's "
-                        f"target {manifest['target'].get('name')} (config {manifest['target'].get('config_hash')})")
-        return [], problems
-    reader = StoreReader(store)
-    features = FeatureCapture(target, manifest["aux_layers"])
-    aux_tol, final_tol = (TOLERANCE[p] for p in parts(manifest["dtype"]))
-    prepared, row_of = _prepared_rows(manifest)
-    # samples capture flagged with NaN or inf are listed by verify_store and skipped by training, not judged here
+def pick_samples(reader, num_samples: int, seed: int) -> list[int]:
+    """`num_samples` random samples to recompute; those capture flagged with NaN or inf are listed by
+    `check_store`'s report and skipped by training, not judged."""
     flagged = reader.nonfinite()
     finite = [i for i in range(len(reader)) if i not in flagged]
-    picks = sorted(random.Random(seed).sample(finite, min(num_samples, len(finite))))
-    rows = []
-    for i in picks:
-        sample = reader[i]
-        ids = sample["input_ids"].to(target.device)[None]  # [1, T]
-        aux, final = features(ids, torch.ones_like(ids))  # [1, T, A*H], [1, T, H]
-        aux, final = aux[0].float().cpu(), final[0].float().cpu()
-        hidden = manifest["hidden_size"]
-        names = [f"aux {k}" for k in manifest["aux_layers"]] + ["final"]
-        stored = list(sample["aux_hidden"].split(hidden, dim=-1)) + [sample["final_hidden"]]
-        fresh = list(aux.split(hidden, dim=-1)) + [final]
-        for name, s, f in zip(names, stored, fresh):
-            tol = final_tol if name == "final" else aux_tol
-            s = s.float()
-            err = (s - f).abs().max().item()  # NaN if either holds one
-            rel = err / max(f.abs().max().item(), 1e-30)
-            per_token = ((s - f).norm(dim=-1) / f.norm(dim=-1).clamp_min(1e-30)).median().item()
-            ok = math.isfinite(rel) and rel <= tol and math.isfinite(per_token) and per_token <= LAYER_TOLERANCE
-            rows.append({"sample": i, "sample_id": sample["sample_id"], "layer": name, "max_abs": err, "rel": rel,
-                         "per_token": per_token, "ok": ok})
-            if not (math.isfinite(err) and math.isfinite(per_token)):
-                problems.append(f"sample {sample['sample_id']} {name}: NaN or inf in the stored or recomputed states")
-            elif rel > tol:
-                problems.append(f"sample {sample['sample_id']} {name}: relative error {rel:.2e} > {tol:.0e}")
-            elif per_token > LAYER_TOLERANCE:
-                problems.append(f"sample {sample['sample_id']} {name}: each token's state differs from the "
-                                f"recomputed one by {per_token:.2f} of its norm (median) > {LAYER_TOLERANCE}: another "
-                                f"layer's states, or another target's")
-        if prepared is not None:
-            row = row_of.get(sample["sample_id"])
-            if row is None or not np.array_equal(prepared.input_ids(row), sample["input_ids"].numpy()) \
-                    or not np.array_equal(prepared.loss_mask(row), sample["loss_mask"].numpy()):
-                problems.append(f"sample {sample['sample_id']}: input_ids/loss_mask differ from the prepared data")
+    return sorted(random.Random(seed).sample(finite, min(num_samples, len(finite))))
+
+
+def judge_sample(i: int, sample: dict, aux: torch.Tensor, final: torch.Tensor, manifest: dict,
+                 prepared=None, row_of: dict | None = None) -> tuple[list[dict], list[str]]:
+    """The stored states of `sample` (index i) against recomputed ones (aux [T, A*H], final [T, H], fp32):
+    one row per layer, and a problem line per layer out of tolerance (and when the prepared data, if still
+    there, holds other tokens for it)."""
+    aux_tol, final_tol = (TOLERANCE[p] for p in parts(manifest["dtype"]))
+    hidden = manifest["hidden_size"]
+    names = [f"aux {k}" for k in manifest["aux_layers"]] + ["final"]
+    stored = list(sample["aux_hidden"].split(hidden, dim=-1)) + [sample["final_hidden"]]
+    fresh = list(aux.split(hidden, dim=-1)) + [final]
+    rows, problems = [], []
+    for name, s, f in zip(names, stored, fresh):
+        tol = final_tol if name == "final" else aux_tol
+        s = s.float()
+        err = (s - f).abs().max().item()  # NaN if either holds one
+        rel = err / max(f.abs().max().item(), 1e-30)
+        per_token = ((s - f).norm(dim=-1) / f.norm(dim=-1).clamp_min(1e-30)).median().item()
+        ok = math.isfinite(rel) and rel <= tol and math.isfinite(per_token) and per_token <= LAYER_TOLERANCE
+        rows.append({"sample": i, "sample_id": sample["sample_id"], "layer": name, "max_abs": err, "rel": rel,
+                     "per_token": per_token, "ok": ok})
+        if not (math.isfinite(err) and math.isfinite(per_token)):
+            problems.append(f"sample {sample['sample_id']} {name}: NaN or inf in the stored or recomputed states")
+        elif rel > tol:
+            problems.append(f"sample {sample['sample_id']} {name}: relative error {rel:.2e} > {tol:.0e}")
+        elif per_token > LAYER_TOLERANCE:
+            problems.append(f"sample {sample['sample_id']} {name}: each token's state differs from the "
+                            f"recomputed one by {per_token:.2f} of its norm (median) > {LAYER_TOLERANCE}: another "
+                            f"layer's states, or another target's")
+    if prepared is not None:
+        row = (row_of or {}).get(sample["sample_id"])
+        if row is None or not np.array_equal(prepared.input_ids(row), sample["input_ids"].numpy()) \
+                or not np.array_equal(prepared.loss_mask(row), sample["loss_mask"].numpy()):
+            problems.append(f"sample {sample['sample_id']}: input_ids/loss_mask differ from the prepared data")
     return rows, problems
 
 
-def _prepared_rows(manifest: dict):
+def prepared_rows(manifest: dict):
     """(prepared data, {sample_id: row}) the store was made from, when still there and unchanged."""
     from eyas.data.prepared import load_prepared_arrays
 
@@ -160,23 +151,13 @@ def _prepared_rows(manifest: dict):
     return prepared, {sid: r for r, sid in enumerate(prepared.sample_ids)}
 
 
-def verify_store(store: str | Path, target=None, num_samples: int = 4, seed: int = 0) -> dict:
-    """Return {"problems": [...], "layers": [...], "num_shards", "num_samples"}; no problems = valid."""
+def check_store(store: str | Path) -> dict:
+    """The file-level checks; -> {"problems": [...], "layers": [], "num_shards", "num_samples", ...}: no
+    problems = the files are what the manifest says (recomputing samples is eyas.stages.verify's)."""
     store = Path(store)
     manifest = read_manifest(store)
-    problems = check_files(store, manifest)
-    rows = []
-    if num_samples > 0 and not problems:
-        if target is None:
-            from eyas.target import load_target
-
-            spec = manifest.get("target_model")
-            if not spec:
-                raise EyasError(f"{store} does not name its target; pass --target")
-            target = load_target(spec, device="auto", dtype="fp32")  # the reference is always fp32
-        rows, more = recompute(store, manifest, target, num_samples, seed)
-        problems += more
     shards = committed_shards(store, manifest)
-    return {"problems": problems, "layers": rows, "num_shards": len(shards), "nonfinite_ids": nonfinite_ids(shards),
-            "num_samples": manifest["num_samples"], "num_tokens": manifest["num_tokens"],
-            "complete": bool(manifest.get("complete")), "dtype": manifest["dtype"]}
+    return {"problems": check_files(store, manifest), "layers": [], "num_shards": len(shards),
+            "nonfinite_ids": nonfinite_ids(shards), "num_samples": manifest["num_samples"],
+            "num_tokens": manifest["num_tokens"], "complete": bool(manifest.get("complete")),
+            "dtype": manifest["dtype"], "manifest": manifest}

@@ -1,6 +1,7 @@
-"""Targets: loading (HF dir, hub id, GGUF, the embedded SmolLM2, tiny models), aux layers, capture hooks."""
+"""Targets: loading (HF dir, hub id, GGUF, the embedded SmolLM2, tiny models) and the capture hooks.
 
-from eyas.target.layers import default_aux_layers, resolve_aux_layers, to_sglang_ids
+Layer ids (which residual streams EAGLE-3 reads, in each engine's numbering) are in eyas.layers."""
+
 from eyas.target.load import Target, load_target
 
-__all__ = ["Target", "load_target", "default_aux_layers", "resolve_aux_layers", "to_sglang_ids"]
+__all__ = ["Target", "load_target"]

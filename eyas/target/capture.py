@@ -1,6 +1,6 @@
 """Capture the target's residual streams at the aux layers and its final normed state, by forward hooks.
 
-HF convention (REFERENCE.md section 1): id k in 1..n-1 is the output of decoder layer k-1; the final
+HF convention (docs/ALGORITHM.md section 1): id k in 1..n-1 is the output of decoder layer k-1; the final
 state is the output of the final norm, i.e. the lm_head's input (HF `hidden_states[n]`). Only the base
 model (`target.decoder`) runs, so no lm_head (a V-wide matmul) is computed, and transformers is never
 asked for all hidden states.
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from eyas.target.layers import resolve_aux_layers
+from eyas.layers import resolve_aux_layers
 
 
 def _first(output):

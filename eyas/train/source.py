@@ -3,7 +3,7 @@
 `TrainSource` is everything the trainer needs besides the config: the batcher (samples -> batches),
 the target's frozen embedding and lm_head, the target's HF config (for the draft's shape), its
 identity, the aux layer ids (HF convention) and the draft vocabulary. Building one for the online
-source (which runs the target) happens in eyas/commands/train.py, because eyas.train never imports
+source (which runs the target) happens in eyas/stages/train.py, because eyas.train never imports
 eyas.target.
 """
 
@@ -171,14 +171,12 @@ def load_vocab_file(path: str | Path) -> tuple[torch.Tensor, torch.Tensor]:
     return tensors["d2t"].long(), tensors["t2d"].bool()
 
 
-def find_vocab(manifest: dict, store: Path) -> Path | None:
-    """The prepared data's vocab.safetensors recorded by the store, or one next to the store."""
+def find_vocab(manifest: dict) -> Path | None:
+    """The draft vocabulary of the prepared data the store was captured from (its manifest names it), if
+    that directory still holds one."""
     prepared = manifest.get("prepared") or {}
-    candidates = []
-    if isinstance(prepared, dict) and prepared.get("path"):
-        candidates.append(Path(prepared["path"]) / "vocab.safetensors")
-    candidates += [store / "vocab.safetensors", store.parent / "prepared" / "vocab.safetensors"]
-    return next((c for c in candidates if c.is_file()), None)
+    path = Path(prepared["path"]) / "vocab.safetensors" if prepared.get("path") else None
+    return path if path is not None and path.is_file() else None
 
 
 def store_lengths(reader) -> list[int]:
@@ -213,7 +211,7 @@ def store_source(store: str | Path, expect: dict | None = None, vocab: str | Pat
     if embed.shape != (manifest["vocab_size"], manifest["hidden_size"]) or lm_head.shape != embed.shape:
         raise EyasError(f"{head_path}: embed {tuple(embed.shape)} / lm_head {tuple(lm_head.shape)} do not match the "
                         f"manifest's vocab_size={manifest['vocab_size']}, hidden_size={manifest['hidden_size']}")
-    vocab_path = Path(vocab) if vocab else find_vocab(manifest, store)
+    vocab_path = Path(vocab) if vocab else find_vocab(manifest)
     d2t = t2d = None
     if vocab_path is not None:
         d2t, t2d = load_vocab_file(vocab_path)
@@ -221,7 +219,8 @@ def store_source(store: str | Path, expect: dict | None = None, vocab: str | Pat
             raise EyasError(f"{vocab_path}: t2d covers {len(t2d)} target ids but the store's target has "
                             f"vocab_size={manifest['vocab_size']}; use the vocabulary prepared for this target")
     else:
-        warn(f"no draft vocabulary found for {store} (pass --vocab PREPARED/vocab.safetensors); "
+        warn(f"no draft vocabulary found for {store}: the prepared data its manifest names has none (pass --vocab "
+             f"PREPARED/vocab.safetensors); "
              f"using the full target vocabulary ({manifest['vocab_size']})")
     growing = GrowingStore(reader, poll_s, timeout_s) if tail else None
     lengths = [] if tail else store_lengths(reader)

@@ -1,4 +1,4 @@
-"""Training-time test (REFERENCE.md section 3): K unrolled draft steps, vectorised over all positions.
+"""Training-time test (docs/ALGORITHM.md section 3): K unrolled draft steps, vectorised over all positions.
 
 Index arithmetic (t = the anchor position, k = the step, 0-based):
 

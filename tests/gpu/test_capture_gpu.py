@@ -10,12 +10,12 @@ import pytest
 import torch
 
 from eyas.config import load_config
-from eyas.store import StoreReader, capture
+from eyas.store import StoreReader
 from eyas.target import load_target
 from eyas.target.capture import FeatureCapture
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "store"))
-from store_helpers import make_prepared  # noqa: E402
+from store_helpers import capture, make_prepared  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 

@@ -5,7 +5,8 @@ import torch
 
 from eyas.speculative.engine import SpecEngine
 from eyas.speculative.oracle import ScriptedDraft, untrained_draft
-from eyas.target import load_target, resolve_aux_layers
+from eyas.layers import resolve_aux_layers
+from eyas.target import load_target
 
 pytestmark = pytest.mark.gpu
 QUESTIONS = ["What is the capital of France?", "Write a haiku about rain.", "Explain recursion briefly."]

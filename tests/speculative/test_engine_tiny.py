@@ -3,7 +3,7 @@
 import pytest
 
 from eyas.speculative.engine import SpecEngine
-from eyas.target import resolve_aux_layers
+from eyas.layers import resolve_aux_layers
 from eyas.speculative.oracle import ScriptedDraft, always_wrong, untrained_draft
 
 PROMPT = [1, 72, 101, 108, 108, 111, 32, 119, 111, 114, 108, 100, 2]

@@ -14,7 +14,7 @@ def save_step_dir(path, target, seed=0):
     from safetensors.torch import save_file
 
     from eyas.draft import DraftConfig, Eagle3Draft
-    from eyas.target import resolve_aux_layers
+    from eyas.layers import resolve_aux_layers
 
     aux = resolve_aux_layers(None, target.num_layers)
     cfg = DraftConfig.from_target_config(target.config.to_dict(), draft_vocab_size=target.vocab_size,
@@ -104,7 +104,7 @@ def test_compile_draft_without_the_static_path_is_refused(tmp_path, tiny_target,
     """Only the CUDA-graph path compiles the draft's passes: on a CPU target, or with graphs off, eval stops
     with the key and the fix when --compile-draft asked for it; a config's value (the full preset's) has no
     effect there, with a warning, as eval.cuda_graphs has none on a CPU."""
-    from eyas.commands.eval import build_engine
+    from eyas.speculative.build import build_engine
     from eyas.common import EyasError
 
     step = save_step_dir(tmp_path / "step", tiny_target)
@@ -127,7 +127,7 @@ def test_compile_draft_without_the_static_path_is_refused(tmp_path, tiny_target,
 
 
 def test_evaluate_entry_for_the_pipeline(tmp_path, tiny_target):
-    from eyas.commands.eval import evaluate
+    from eyas.stages.eval import Inputs, run as evaluate
     from eyas.config import load_config
 
     step = save_step_dir(tmp_path / "step", tiny_target)
@@ -135,7 +135,7 @@ def test_evaluate_entry_for_the_pipeline(tmp_path, tiny_target):
     bench.write_text(json.dumps({"id": "a", "prompt": "hi"}) + "\n")
     cfg = load_config("tiny", [f"eval.benches={bench}", "eval.steps=2", "eval.tree=2,2,3", "eval.max_new_tokens=4",
                                "eval.hf_baseline=false"])
-    res = evaluate(cfg, step, tmp_path / "eval", target=tiny_target)
+    res = evaluate(cfg, Inputs(step), tmp_path / "eval", target=tiny_target)
     assert set(res["p"]) == {"chain-2", "tree-2x2x3"}
     assert (tmp_path / "eval" / "p-tree-2x2x3.json").is_file() and (tmp_path / "eval" / "p-chain-2.png").is_file()
 
@@ -167,7 +167,7 @@ def test_summary_merges_one_process_per_setting(tmp_path, tiny_target):
 
 
 def test_tree_alone_as_the_pipeline_runs_it(tmp_path, tiny_target):
-    """eyas/pipeline.py runs the tree setting as its own process: `--tree` without `--steps`."""
+    """eyas/pipeline/table.py runs the tree setting as its own process: `--tree` without `--steps`."""
     step = save_step_dir(tmp_path / "step", tiny_target)
     bench = tmp_path / "p.jsonl"
     bench.write_text(json.dumps({"id": "a", "prompt": "hi"}) + "\n")
@@ -185,9 +185,9 @@ def test_eval_reads_exports_and_research_checkpoints(fmt, tmp_path, tiny_target)
     ids) load into the engine with the same draft logits as the checkpoint and decode losslessly."""
     from safetensors.torch import load_file
 
-    from eyas.commands.eval import build_engine
-    from eyas.export import export
-    from eyas.export.keys import to_midlayer
+    from eyas.speculative.build import build_engine
+    from eyas.formats import export
+    from eyas.formats.keys import to_midlayer
 
     step = save_step_dir(tmp_path / "step", tiny_target, seed=3)
     if fmt == "research":
@@ -215,7 +215,7 @@ def test_eval_reads_exports_and_research_checkpoints(fmt, tmp_path, tiny_target)
 
 def test_an_interrupted_eval_keeps_its_requests_and_a_rerun_decodes_only_the_rest(tmp_path, tiny_target, monkeypatch,
                                                                                   capsys):
-    from eyas.commands.eval import evaluate
+    from eyas.stages.eval import Inputs, run as evaluate
     from eyas.config import load_config
     from eyas.speculative.engine import SpecEngine
 
@@ -224,7 +224,7 @@ def test_an_interrupted_eval_keeps_its_requests_and_a_rerun_decodes_only_the_res
     bench.write_text("".join(json.dumps({"id": f"q{i}", "prompt": f"question {i} " * (i + 1)}) + "\n" for i in range(4)))
     sets = [f"eval.benches={bench}", "eval.steps=2", "eval.tree=null", "eval.limit=0", "eval.hf_baseline=false"]
     cfg = load_config("tiny", sets + ["eval.max_new_tokens=5"])
-    whole = evaluate(cfg, step, tmp_path / "whole", target=tiny_target)["p"]["chain-2"]
+    whole = evaluate(cfg, Inputs(step), tmp_path / "whole", target=tiny_target)["p"]["chain-2"]
     reference = json.loads((tmp_path / "whole" / "p-chain-2.json").read_text())["prompts"]
     assert not (tmp_path / "whole" / "p-chain-2.requests.jsonl").exists()  # removed once the result is written
 
@@ -239,14 +239,14 @@ def test_an_interrupted_eval_keeps_its_requests_and_a_rerun_decodes_only_the_res
 
     monkeypatch.setattr(SpecEngine, "generate", dies_on_the_third_request)
     with pytest.raises(KeyboardInterrupt):
-        evaluate(cfg, step, tmp_path / "eval", target=tiny_target)
+        evaluate(cfg, Inputs(step), tmp_path / "eval", target=tiny_target)
     journal = tmp_path / "eval" / "p-chain-2.requests.jsonl"
     kept = [json.loads(line) for line in journal.read_text().splitlines()]
     assert [k["id"] for k in kept] == ["0:q0", "1:q1"] and not (tmp_path / "eval" / "p-chain-2.json").exists()
 
     calls.clear()
     monkeypatch.setattr(SpecEngine, "generate", lambda self, *a, **k: calls.append(1) or real(self, *a, **k))
-    resumed = evaluate(cfg, step, tmp_path / "eval", target=tiny_target)["p"]["chain-2"]
+    resumed = evaluate(cfg, Inputs(step), tmp_path / "eval", target=tiny_target)["p"]["chain-2"]
     assert len(calls) == 1 + 2  # the warm-up and the two requests the first run did not finish
     assert "2 of 4 requests taken from p-chain-2.requests.jsonl" in capsys.readouterr().out
     doc = json.loads((tmp_path / "eval" / "p-chain-2.json").read_text())
@@ -258,7 +258,7 @@ def test_an_interrupted_eval_keeps_its_requests_and_a_rerun_decodes_only_the_res
     # another setting (here the token limit) does not reuse the lines of an interrupted run
     journal.write_text("".join(json.dumps(k) + "\n" for k in kept))
     calls.clear()
-    evaluate(load_config("tiny", sets + ["eval.max_new_tokens=4"]), step, tmp_path / "eval", target=tiny_target)
+    evaluate(load_config("tiny", sets + ["eval.max_new_tokens=4"]), Inputs(step), tmp_path / "eval", target=tiny_target)
     assert len(calls) == 1 + 4
 
 

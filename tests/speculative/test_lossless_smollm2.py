@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from eyas.speculative.engine import SpecEngine
-from eyas.target import resolve_aux_layers
+from eyas.layers import resolve_aux_layers
 from eyas.speculative.oracle import ScriptedDraft, untrained_draft
 
 QUESTIONS = ["What is the capital of France?", "Write a haiku about rain.", "List three prime numbers."]

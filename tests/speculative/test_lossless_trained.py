@@ -4,7 +4,7 @@ The draft is trained by the real trainer (`eyas.train.train`) for a few tens of 
 conversations whose answers are the target's own greedy continuations, prepared with the target's chat
 template (`eyas.data.template.ChatTemplate`, as `eyas prepare` does) and a draft vocabulary built from
 them (`eyas.data.vocab`); the features are captured once by `FeatureCapture` (an in-memory store).
-The checkpoint is read back with `eyas.export.load_draft`. Decoding the same prompts with `SpecEngine`
+The checkpoint is read back with `eyas.formats.load_draft`. Decoding the same prompts with `SpecEngine`
 must then (1) give exactly the target's plain greedy tokens and (2) accept clearly more than the same
 draft before training, so the test fails if training did nothing.
 """
@@ -41,7 +41,7 @@ def trained(smollm2, tmp_path_factory):
     from eyas.config import load_config
     from eyas.data.template import ChatTemplate, stop_token_ids
     from eyas.data.vocab import build_vocab, count_tokens
-    from eyas.export import load_draft
+    from eyas.formats import load_draft
     from eyas.target.capture import FeatureCapture
     from eyas.train import TrainSource, train
     from eyas.train.loop import build_draft

@@ -75,3 +75,10 @@ def poison_embeddings(target):
 
     target.embed_tokens.register_forward_hook(hook)
     return target
+
+
+def capture(cfg, prepared, store, target=None) -> dict:
+    """The capture stage (eyas.stages.capture.run) from a prepared directory into `store`."""
+    from eyas.stages import capture as stage
+
+    return stage.run(cfg, stage.Inputs(prepared=prepared), store, target=target)

@@ -7,12 +7,12 @@ import os
 import pytest
 import torch
 
-import eyas.store.capture_loop as capture_mod
+import eyas.store.create as capture_mod
 import eyas.store.writer as writer_mod
 from eyas.common import EyasError
-from eyas.store import StoreReader, capture
-from eyas.store.verify import verify_store
-from store_helpers import tiny_cfg
+from eyas.store import StoreReader
+from eyas.stages.verify import run as verify_store
+from store_helpers import capture, tiny_cfg
 
 
 def _same_samples(a, b, exact):

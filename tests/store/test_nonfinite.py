@@ -7,12 +7,12 @@ import pytest
 import torch
 
 from eyas.common import EyasError
-from eyas.store import capture
+
 from eyas.store.reader import StoreReader
-from eyas.store.verify import verify_store
+from eyas.stages.verify import run as verify_store
 from eyas.train.source import GrowingStore, store_source
 
-from store_helpers import poison_embeddings, poisoned_prepared, tiny_cfg
+from store_helpers import capture, poison_embeddings, poisoned_prepared, tiny_cfg
 
 
 @pytest.fixture

@@ -13,8 +13,8 @@ import time
 
 import torch
 
-from eyas.store import StoreReader, capture
-from store_helpers import capture_argv, make_prepared, tiny_cfg
+from eyas.store import StoreReader
+from store_helpers import capture, capture_argv, make_prepared, tiny_cfg
 
 SETS = ["capture.shard_tokens=160", "capture.token_budget=64", "capture.dtype=bf16"]
 

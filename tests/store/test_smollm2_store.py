@@ -3,9 +3,9 @@
 import torch
 
 from eyas.config import load_config
-from eyas.store import StoreReader, capture
+from eyas.store import StoreReader
 from eyas.data.prepared import load_prepared_arrays
-from store_helpers import make_prepared
+from store_helpers import capture, make_prepared
 
 
 def test_stored_states_equal_hidden_states(tmp_path, smollm2):

@@ -6,8 +6,8 @@ import sys
 
 import torch
 
-from eyas.store import StoreReader, capture
-from store_helpers import make_prepared, tiny_cfg
+from eyas.store import StoreReader
+from store_helpers import capture, make_prepared, tiny_cfg
 
 
 def test_two_ranks_write_their_shards_and_merge(tmp_path, tiny_target):

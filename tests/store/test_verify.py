@@ -8,8 +8,8 @@ from safetensors.torch import load_file, save_file
 
 from eyas.cli import main
 from eyas.common import sha256_file
-from eyas.store import capture
-from store_helpers import tiny_cfg
+
+from store_helpers import capture, tiny_cfg
 
 
 def _store(tmp_path, prepared, target, dtype="fp32"):

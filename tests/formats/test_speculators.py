@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from eyas.export import export, load_draft
+from eyas.formats import export, load_draft
 from speculators_env import speculators_python
 from test_export import sample_inputs, ttt_logits
 

@@ -1,6 +1,6 @@
 """The one key map between eyas's draft state dict and the names other tools write and read.
 
-eyas's names (`Eagle3Draft.state_dict()`) are the unprefixed export keys of REFERENCE.md section 6;
+eyas's names (`Eagle3Draft.state_dict()`) are the unprefixed export keys of docs/ALGORITHM.md section 6;
 vLLM and speculators load them as they are. Two other spellings exist in the wild:
 
 - `midlayer.*` for the decoder layer: EAGLE's and SpecForge's trainers write it, and SGLang's

@@ -10,8 +10,8 @@ from safetensors.torch import load_file, save_file
 
 from eyas.common import EyasError
 from eyas.draft import DraftConfig
-from eyas.export import export, load_draft
-from eyas.export.configs import llama_layer_config
+from eyas.formats import export, load_draft
+from eyas.formats.configs import llama_layer_config
 from test_export import sample_inputs, ttt_logits
 
 SGL_KEY = "eagle_config.eagle_aux_hidden_state_layer_ids"

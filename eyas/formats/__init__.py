@@ -4,8 +4,8 @@
     load_draft(path, embed_tokens=None) -> (Eagle3Draft, meta)
 """
 
-from eyas.export.configs import FORMATS
-from eyas.export.load import load_draft, resolve_draft_dir
-from eyas.export.writer import check_exportable, export
+from eyas.formats.configs import FORMATS
+from eyas.formats.load import load_draft, resolve_draft_dir
+from eyas.formats.writer import check_exportable, export
 
 __all__ = ["FORMATS", "export", "load_draft", "resolve_draft_dir", "check_exportable"]

@@ -1,6 +1,6 @@
-"""The config.json each serving engine reads, and the README with its launch command (REFERENCE.md s6).
+"""The config.json each serving engine reads, and the README with its launch command (docs/ALGORITHM.md section 6).
 
-Aux layer ids go into each config in that engine's own convention (REFERENCE.md section 1):
+Aux layer ids go into each config in that engine's own convention (docs/ALGORITHM.md section 1):
 SGLang reads `eagle_config.eagle_aux_hidden_state_layer_ids` as 0-based layer outputs (HF id - 1);
 vLLM and speculators read a top-level `eagle_aux_hidden_state_layer_ids` in the HF convention.
 """
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from eyas.target.layers import to_sglang_ids
+from eyas.layers import to_sglang_ids
 
 FORMATS = ("sglang", "vllm", "speculators")
 TORCH_DTYPE_NAMES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}

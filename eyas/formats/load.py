@@ -4,10 +4,10 @@ Accepted: a run directory (follows `latest`, also `RUN/train/latest`), a checkpo
 (`draft.json` + `model.safetensors`), an export of any of the three kinds (SGLang, vLLM, speculators),
 and a research checkpoint as EAGLE's and SpecForge's trainers write it (`config.json` with a flat
 Llama config and `midlayer.*` weights in `model.safetensors` or `pytorch_model.bin`). Weight names go
-through the one key map in `eyas.export.keys`.
+through the one key map in `eyas.formats.keys`.
 
 Aux layer ids in `meta` are always in the Hugging Face `output_hidden_states` convention
-(REFERENCE.md section 1), whatever convention the source wrote.
+(docs/ALGORITHM.md section 1), whatever convention the source wrote.
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ import json
 from pathlib import Path
 
 from eyas.common import EyasError, read_json
-from eyas.export.configs import FORMATS
-from eyas.export.keys import EMBED, FROM_FOREIGN, from_foreign
+from eyas.formats.configs import FORMATS
+from eyas.formats.keys import EMBED, FROM_FOREIGN, from_foreign
 
 # config flags that change the draft's computation (vLLM reads them on both config paths); eyas's draft
 # has them all off

@@ -1,4 +1,4 @@
-"""`export`: a trained draft -> one directory per serving engine (REFERENCE.md section 6).
+"""`export`: a trained draft -> one directory per serving engine (docs/ALGORITHM.md section 6).
 
 Each `OUT/<format>/` holds `model.safetensors` (floats in the serving dtype, `d2t` int64 and `t2d` bool
 unless the draft vocabulary is the target's in the same order), the engine's `config.json`, `eyas.json` (the
@@ -14,11 +14,12 @@ import tempfile
 from pathlib import Path
 
 from eyas.common import EyasError, atomic_write_json, atomic_write_text, print0, read_json, sha256_file, warn
-from eyas.export import configs
-from eyas.export.configs import FORMATS, TORCH_DTYPE_NAMES
-from eyas.export.keys import EMBED, to_midlayer
-from eyas.export.load import load_draft
-from eyas.target.layers import to_sglang_ids
+from eyas.formats import configs
+from eyas.formats.configs import FORMATS, TORCH_DTYPE_NAMES
+from eyas.formats.keys import EMBED, to_midlayer
+from eyas.formats.load import load_draft
+from eyas.identity import check_target
+from eyas.layers import to_sglang_ids
 
 SCHEMA_VERSION = 1
 
@@ -59,9 +60,8 @@ def check_exportable(draft, meta: dict, formats: list[str]) -> None:
         if expected is not None and expected != aux:
             raise EyasError(f"{src}: the checkpoint records aux layers {aux} ({meta.get('features')} features) "
                             f"but its store {store} captured {captured}")
-        found = manifest.get("target") or {}
-        if found.get("config_hash") not in (None, ident["config_hash"]):
-            raise EyasError(f"{src}: the checkpoint's target {ident} differs from its store's target {found}")
+        check_target(manifest.get("target"), ident, what=f"the store {store} of {src}",
+                     fix="the checkpoint and its store must come from one training run")
 
 
 def _embed_from_store(draft, meta: dict) -> None:

@@ -1,7 +1,7 @@
 import pytest
 
 from eyas.config import ConfigError
-from eyas.target import default_aux_layers, resolve_aux_layers, to_sglang_ids
+from eyas.layers import default_aux_layers, resolve_aux_layers, to_sglang_ids
 
 
 def test_eagle3_defaults():

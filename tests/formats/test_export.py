@@ -7,14 +7,14 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from eyas.common import EyasError
-from eyas.export import export, load_draft
-from eyas.export.keys import to_midlayer
+from eyas.formats import export, load_draft
+from eyas.formats.keys import to_midlayer
 
 FORMATS = ("sglang", "vllm", "speculators")
 
 
 def ttt_logits(draft, aux_hidden, input_ids, position_ids, steps):
-    """Draft logits for `steps` TTT steps as training lays them out (REFERENCE.md section 3): step 0 is
+    """Draft logits for `steps` TTT steps as training lays them out (docs/ALGORITHM.md section 3): step 0 is
     causal over real features; step k feeds back the previous hidden output with the tokens shifted by k
     and attends to step 0's keys causally plus its own position in each earlier draft step."""
     t = input_ids.shape[1]
@@ -191,7 +191,7 @@ def test_missing_embedding_is_nan(make_run):
 def _fake_store(path, tiny_target, aux):
     """Just the parts of a store (docs/INTERNALS.md "Store") that export reads."""
     path.mkdir()
-    (path / "manifest.json").write_text(json.dumps({"schema_version": 1, "target": tiny_target.identity,
+    (path / "manifest.json").write_text(json.dumps({"schema_version": 2, "target": tiny_target.identity,
                                                     "num_layers": 4, "aux_layers": aux}))
     save_file({"embed_tokens.weight": tiny_target.embed_tokens.weight.detach().clone(),
                "lm_head.weight": tiny_target.lm_head.weight.detach().clone()}, str(path / "target_head.safetensors"))

@@ -1,4 +1,4 @@
-"""Aux layer ids in the Hugging Face `output_hidden_states` convention (REFERENCE.md section 1).
+"""Aux layer ids in the Hugging Face `output_hidden_states` convention (docs/ALGORITHM.md section 1).
 
 Index 0 is the embedding output, index k in 1..n-1 the residual stream after decoder layer k-1,
 index n the *normed* last state (the lm_head's input). Aux ids are residual streams: 1..n-1.

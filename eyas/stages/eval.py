@@ -1,0 +1,138 @@
+"""The eval stage: speculative decoding with a trained draft on MT-bench, HumanEval or a JSONL of prompts.
+
+Besides one RESULT.json (+ .png) per benchmark and setting, the stage keeps `summary.json` in the results'
+directory: the stage's own summary that the run report reads (`wall_s`, `tokens_per_s`) and the headline
+figures of every result there, merged across runs (`eyas run` runs one benchmark per process), written
+atomically. An entry's `wall_s` counts from the stage's start or its previous entry, so the first one also
+carries loading the target and the warm-up, and the entries sum to the processes' wall time.
+
+While a setting runs, each finished request is appended to RESULT.requests.jsonl beside it: an eval that is
+killed keeps those, and the same call again decodes only the missing requests (the plain decoding baseline
+is run again in full). The file goes once RESULT.json is written.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from eyas.common import EyasError, atomic_write_json, print0, read_json
+from eyas.layout import eval_result_name
+
+SUMMARY = "summary.json"
+# the figures of a benchmark summary that summary.json repeats per result
+HEADLINE = ("tau_pooled", "tau_per_request", "speedup_vs_plain", "speedup_vs_hf", "tokens_per_s", "plain_tokens_per_s",
+            "hf_tokens_per_s", "plain_mismatches", "num_requests", "num_tokens", "num_cycles", "total_s",
+            "repeat_token_share", "tau_in_repeats", "tau_elsewhere", "ngram_k", "ngram_tau")
+
+
+@dataclass(frozen=True)
+class Inputs:
+    draft: str | Path  # a training run directory (its latest checkpoint), a step directory or an export directory
+
+
+def run(cfg, inputs: Inputs, out: str | Path, *, target=None, settings: list | None = None,
+        result_path: Callable[[str, str], Path] | None = None, hf: bool | None = None,
+        require_compile: bool = False) -> dict:
+    """Every benchmark of cfg.eval with every setting (default: cfg.eval.steps and cfg.eval.tree) ->
+    OUT/<bench>-<setting>.json|.png (or where `result_path(bench, setting)` says) and summary.json beside
+    them; -> {bench: {setting: summary}}. `target`: an already loaded target, else cfg.target.model.
+    `require_compile`: eval.compile_draft was asked for explicitly, so a device that cannot honour it is an
+    error rather than a warning."""
+    from eyas.speculative.bench import settings_of
+    from eyas.speculative.build import build_engine
+
+    started = time.perf_counter()
+    if cfg.eval.threads > 0:
+        import torch
+
+        torch.set_num_threads(cfg.eval.threads)
+    settings = settings_of(cfg.eval.steps, cfg.eval.tree) if settings is None else settings
+    if not settings:
+        raise EyasError("nothing to evaluate: give eval.steps (chain lengths) and/or eval.tree "
+                        "(--steps K and/or --tree TOPK,DEPTH,TOTAL)")
+    if target is None:
+        from eyas.target import load_target
+
+        target = load_target(cfg.target.model, device=cfg.target.device, dtype=cfg.target.dtype)
+    engine, info = build_engine(target, inputs.draft, cfg.target.aux_layers, cuda_graphs=cfg.eval.cuda_graphs,
+                                compile_draft=cfg.eval.compile_draft, require_compile=require_compile)
+    print0(f"target {target.name} ({target.device}, {target.dtype}) | draft {inputs.draft} | aux layers {info['aux']} | "
+           f"{'CUDA graphs for greedy chains, trees and plain decoding' if engine.static else 'eager decoding'}"
+           f"{f' (draft compiled, {engine.compile_draft})' if engine.compile_draft else ''} | "
+           f"settings {', '.join(n for n, _ in settings)} | temperature {cfg.eval.temperature} | "
+           f"max new tokens {cfg.eval.max_new_tokens}")
+    if result_path is None:
+        Path(out).mkdir(parents=True, exist_ok=True)
+        result_path = lambda bench, name: Path(out) / eval_result_name(bench, name)  # noqa: E731
+    hf = cfg.eval.hf_baseline if hf is None else hf
+    return run_benches(cfg, engine, target, info, settings, str(inputs.draft), result_path, started, hf=hf)
+
+
+def run_benches(cfg, engine, target, info: dict, settings, draft: str, result_path, started: float,
+                hf: bool) -> dict:
+    """Every benchmark of cfg.eval with every setting: RESULT.json + .png at `result_path(bench name,
+    setting)`, merged into summary.json beside them. -> {bench name: {setting: summary}}."""
+    from eyas.speculative.bench import bench_name, bench_one
+
+    results = {}
+    for bench in cfg.eval.benches:
+        paths = {}
+        for name, _ in settings:
+            first = result_path(bench_name(bench), name)
+            paths[(bench, name)] = (first, first.with_suffix(".png"))
+            first.parent.mkdir(parents=True, exist_ok=True)
+        results[bench_name(bench)] = bench_one(engine, target, bench, settings, cfg.eval.temperature,
+                                               cfg.eval.max_new_tokens, cfg.eval.limit, paths, hf=hf,
+                                               extra_settings={"draft": draft, "aux_layers": info["aux"],
+                                                               "cuda_graphs": engine.static,
+                                                               "compile_draft": engine.compile_draft,
+                                                               "draft_weights": info["meta"].get("weights_stamp")},
+                                               chat_template_kwargs=cfg.data.chat_template_kwargs)
+        started = update_summary(bench, results[bench_name(bench)], paths, cfg, draft, started)
+        print0(f"results: {', '.join(str(p[0]) for p in paths.values())}; "
+               f"summary {next(iter(paths.values()))[0].parent / SUMMARY}")
+    return results
+
+
+def update_summary(bench: str, summaries: dict, paths: dict, cfg, draft: str, since: float) -> float:
+    """Merge one benchmark's results into summary.json beside them (atomically); -> the time now.
+
+    Each result's entry is keyed by its file name (stem); the time since `since` is spread so that the
+    first entry carries what came before its own work (loading, warm-up, earlier benchmarks' writing).
+    """
+    now = time.perf_counter()
+    own = sum(s.get("wall_s", 0.0) for s in summaries.values())
+    extra = max(0.0, (now - since) - own)
+    by_dir: dict[Path, dict] = {}
+    for i, (name, s) in enumerate(summaries.items()):
+        json_path = paths[(bench, name)][0]
+        entry = {"bench": bench, "setting": name, "file": json_path.name,
+                 **{k: s[k] for k in HEADLINE if k in s},
+                 "temperature": cfg.eval.temperature, "max_new_tokens": cfg.eval.max_new_tokens,
+                 "limit": cfg.eval.limit, "draft": draft, "finished_at": time.time(),
+                 "wall_s": round(s.get("wall_s", 0.0) + (extra if i == 0 else 0.0), 3)}
+        by_dir.setdefault(json_path.parent, {})[json_path.stem] = entry
+    for directory, entries in by_dir.items():
+        path = directory / SUMMARY
+        try:
+            doc = read_json(path)
+            results = doc.get("results") if isinstance(doc, dict) else None
+        except (OSError, ValueError):
+            results = None
+        results = dict(results) if isinstance(results, dict) else {}
+        results.update(entries)
+        good = [r for r in results.values() if isinstance(r, dict)]
+        tokens = sum(r.get("num_tokens", 0) for r in good)
+        decode_s = sum(r.get("total_s", 0.0) for r in good)
+        atomic_write_json(path, {
+            "schema_version": 1,
+            "stage": "eval",
+            "wall_s": round(sum(r.get("wall_s", 0.0) for r in good), 3),
+            "tokens_per_s": tokens / decode_s if decode_s > 0 else 0.0,  # speculative decoding, all results
+            "num_results": len(results),
+            "results": dict(sorted(results.items())),
+        })
+    return now
