@@ -55,8 +55,16 @@ class TargetConfig:
     # aux layer ids in the Hugging Face output_hidden_states convention (1..n-1);
     # None means the EAGLE-3 default [2, n//2, n-3]
     aux_layers: list[int] | None = None
+    # let transformers run Python code shipped with the model (its config's auto_map); off, a target that needs it
+    # stops with an error naming this option instead of asking on the terminal
+    trust_remote_code: bool = False
+    backend: str = "hf"  # hf (transformers in eyas's processes) | vllm (a vLLM engine; pip install eyas[vllm])
+    # the engine's own arguments, passed through unchanged (vllm: tensor_parallel_size, pipeline_parallel_size,
+    # data_parallel_size, enable_expert_parallel, gpu_memory_utilization, max_model_len, quantization, dtype, ...)
+    engine: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self):
+        _one_of("target.backend", self.backend, ("hf", "vllm"))
         if not self.model.strip():
             raise ConfigError("target.model is empty; give a model directory, a hub id, a .gguf file, smollm2 or tiny")
         _one_of("target.dtype", self.dtype, ("auto", "fp32", "bf16", "fp16"))
@@ -115,6 +123,9 @@ class DataConfig:
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
     draft_vocab: int = 32000
     seed: int = 0
+    # an input record (a JSONL line, a JSON document's entry, a Parquet row) larger than this is skipped and
+    # reported before it is parsed or tokenized
+    max_record_mb: float = 16.0
 
     def __post_init__(self):
         _one_of("data.format", self.format, ("auto", "sharegpt", "openai", "prompt-response"))
@@ -212,6 +223,10 @@ class TrainConfig:
     # start from this draft's weights and vocabulary (a run dir, checkpoint or export eyas can load) instead of
     # a fresh draft: fine-tuning on this run's data, with a fresh optimizer and schedule ("" = a new draft)
     init_from: str = ""
+    # a step whose loss or gradient is not finite is skipped and counted; this many in a row stop training with
+    # an error (the last good checkpoint is kept)
+    max_bad_steps: int = 3
+    save_every_minutes: float = 10.0  # also write a checkpoint after this much wall time (0 = by steps only)
 
     def __post_init__(self):
         _one_of("train.attention", self.attention, ("dense", "flex", "reference"))
