@@ -11,6 +11,8 @@
     RUN/logs/<stage>.log   each stage's output
     RUN/report.md          the run report
     RUN/.runner.lock       held by the one runner working in RUN
+    RUN/.eyas.json         the marker of a directory eyas made; each stage's output carries one too (eyas.ownership)
+    RUN/.<output>.eyas.lock  held by the one process writing that stage output
 """
 
 from __future__ import annotations

@@ -9,8 +9,8 @@ import eyas
 
 ROOT = Path(eyas.__file__).parent
 # a module may import only eyas modules at or before its own layer
-ORDER = ["config", "common", "layers", "identity", "layout", "data", "target", "store", "draft", "formats", "train",
-         "speculative", "stages", "gpu", "pipeline", "cli"]
+ORDER = ["config", "common", "ownership", "layers", "identity", "layout", "data", "target", "store", "draft", "formats",
+         "train", "speculative", "stages", "gpu", "pipeline", "cli"]
 MODEL_CODE = {"data", "target", "store", "draft", "formats", "train", "speculative", "stages"}
 THIRD_PARTY_MODEL_CODE = {"torch", "transformers", "safetensors", "numpy", "datasets"}
 # (importing layer, layers it may never reach, even through another package)

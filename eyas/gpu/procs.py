@@ -309,17 +309,9 @@ def signals_ignored():
             signal.signal(s, handler)
 
 
-@contextlib.contextmanager
-def exclusive(path: Path, what: str):
-    """An advisory lock that is released with the process, even on kill -9; raises if already held."""
-    import fcntl
+def exclusive(path: Path, what: str, fix: str = ""):
+    """An advisory lock that is released with the process, even on kill -9; raises at once if already held,
+    naming the holder's pid (eyas.ownership.exclusive)."""
+    from eyas.ownership import exclusive as _exclusive
 
-    from eyas.common import EyasError
-
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a+") as f:
-        try:
-            fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            raise EyasError(f"{what} is in use by another process") from None
-        yield
+    return _exclusive(path, what, fix)

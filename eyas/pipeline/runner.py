@@ -17,6 +17,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from eyas import ownership
 from eyas.common import EyasError, atomic_write_json, read_json, save_config, sha256_json
 from eyas.config import RunConfig
 from eyas.gpu import nvml, procs
@@ -76,8 +77,9 @@ def read_state(path: Path) -> dict:
 
 
 class Runner:
-    def __init__(self, cfg: RunConfig, run: Path, opts: RunOptions, stages=STAGES):
+    def __init__(self, cfg: RunConfig, run: Path, opts: RunOptions, stages=STAGES, run_id: str | None = None):
         self.cfg, self.run, self.opts, self.stages = cfg, Path(run), opts, stages
+        self.run_id = run_id  # of RUN's marker: recorded by the stage outputs the runner claims
         self.layout = RunLayout(self.run)
         self.state: dict = read_state(self.layout.stages)  # first: another schema is refused, nothing touched
         self.pool = opts.gpus if opts.gpus is not None else default_pool()
@@ -126,9 +128,13 @@ class Runner:
         that is done with its output unchanged, else resume it on its output (or start it fresh without one).
         With other inputs: remove its output and start it fresh. run_wave records the fingerprint, so its
         inputs' manifests are walked once per decision, not again at the start."""
-        parts = fingerprint_parts(stage, self.cfg, self.run)
         rec = self.state.get(stage.name, {})
         out = self.run / stage.writes
+        if os.path.lexists(out) and not ownership.owned(out, stage.name):
+            raise EyasError(f"{out} was not made by the {stage.name} stage of eyas run (it has no {ownership.MARKER} "
+                            f"of that stage), so the run never adopts, replaces or removes it: move it out of "
+                            f"{self.run}, or use another --run-dir")
+        parts = fingerprint_parts(stage, self.cfg, self.run)
         old = self._recorded_parts(stage, rec, parts)
         if old == parts:
             action, why = self._same_inputs(rec, out)
@@ -166,7 +172,8 @@ class Runner:
         if "config" in changed:
             keys = config_changes(stage, self.cfg, rec.get("config_values", {}))
             changed[changed.index("config")] = f"config: {', '.join(keys)}" if keys else "config"
-        shutil.rmtree(out) if out.is_dir() else out.unlink()
+        with ownership.exclusive(ownership.lock_file(out), str(out), fix="wait for it to finish, then rerun"):
+            shutil.rmtree(out)
         return f"inputs changed ({', '.join(changed)}): old output removed"
 
     def devices_for(self, stage: Stage, share: int = 0, of: int = 1) -> list[int]:
@@ -211,6 +218,7 @@ class Runner:
             devices = self.devices_for(stage, n, len(wave))
             ctx = Ctx(self.cfg, self.run, len(devices), action == "resume", tail=n > 0)
             cmds = [c for c in stage.commands(ctx) if not (action == "resume" and c.out and Path(c.out).exists())]
+            ownership.claim(self.run / stage.writes, stage.name, self.run_id)
             rec = self.state.setdefault(stage.name, {})
             if n > 0:  # tailing wave[0]'s output, which grows meanwhile
                 parts = {**parts, wave[0][0].writes: GROWING}
@@ -296,7 +304,7 @@ class Runner:
     def _finish(self, job: Job) -> None:
         rec = self.state[job.stage.name]
         out = self.run / job.stage.writes
-        if not out.exists():  # recorded done, its missing output would match forever: never run again
+        if not manifest(out):  # recorded done, its missing output would match forever: never run again
             rec.update(status="failed", returncode=0, ended_at=time.time())
             self._teardown_all("failed", None)
             raise StageFailed(f"{job.stage.name} exited with code 0 but did not write {out}; check its log "
@@ -402,12 +410,16 @@ def check_inputs_outside(cfg: RunConfig, run: Path, stages=STAGES) -> None:
 
 
 def run_pipeline(cfg: RunConfig, run: Path, opts: RunOptions | None = None, stages=STAGES) -> Runner:
-    """Run the stage table in `run`; raises StageFailed/EyasError, KeyboardInterrupt or procs.Terminated."""
-    layout = RunLayout(Path(run))
+    """Run the stage table in `run`; raises StageFailed/EyasError, KeyboardInterrupt or procs.Terminated.
+    `run` must be absent, empty or a run directory eyas made (its marker, eyas.ownership); nothing else is
+    touched."""
+    layout = RunLayout(ownership.check_output_path(run, "run directory (--run-dir)"))
     check_inputs_outside(cfg, layout.run, stages)
-    what = f"the run directory {run} (another `eyas run` works there; wait for it or use another --run-dir)"
-    with procs.exclusive(layout.lock, what), procs.signals_raise():
-        runner = Runner(cfg, layout.run, opts or RunOptions(), stages)
+    ownership.check_claimable(layout.run, "run", fix="use another --run-dir")
+    fix = "another `eyas run` works there; wait for it or use another --run-dir"
+    with procs.exclusive(layout.lock, f"the run directory {run}", fix), procs.signals_raise():
+        run_id = ownership.claim(layout.run, "run")["run_id"]
+        runner = Runner(cfg, layout.run, opts or RunOptions(), stages, run_id)
         try:
             runner.execute()
         finally:
