@@ -3,12 +3,21 @@
 Only committed shards are visible (those a manifest names), so a reader may run while `eyas capture`
 is still writing; `tail()` yields each newly committed shard's samples until the manifest says the
 capture is complete.
+
+With `check_sha256` (training), every committed shard's sha256 is computed against the manifest's by a
+background thread, in commit order, as soon as the reader sees the shard. A sample is read only from a
+shard whose hash matched: a read that reaches a shard first hashes it in the reading thread (or waits for
+the background thread already at it), so the data position never decides what was checked. Any mismatch,
+found by either, fails the next read with an error that names the shard.
 """
 
 from __future__ import annotations
 
 import bisect
+import hashlib
 import json
+import queue
+import threading
 import time
 from pathlib import Path
 
@@ -35,12 +44,79 @@ class _Shard:
         return self.file.get_slice(name)[a:b]
 
 
+class ShardChecksums:
+    """The sha256 of each shard, checked once, off the reading path where possible (see the module docstring)."""
+
+    CHUNK = 8 << 20  # hashlib releases the GIL on big blocks: reading threads keep running meanwhile
+
+    def __init__(self, store: Path):
+        self.store = store
+        self._todo: queue.Queue = queue.Queue()
+        self._guard = threading.Lock()
+        self._locks: dict[int, threading.Lock] = {}
+        self._wanted: dict[int, tuple[Path, str | None]] = {}
+        self._checked: set[int] = set()
+        self.failure: str | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def add(self, pos: int, path: Path, sha256: str | None) -> None:
+        """Queue shard `pos` (its file and the manifest's sha256) for the background thread."""
+        with self._guard:
+            self._wanted[pos], self._locks[pos] = (path, sha256), threading.Lock()
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="eyas-store-sha256", daemon=True)
+                self._thread.start()
+        self._todo.put(pos)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                pos = self._todo.get(timeout=0.2)
+            except queue.Empty:
+                continue
+            try:
+                self._check(pos)
+            except Exception:  # noqa: BLE001 -- an unreadable file fails the read that needs it, with its own error
+                continue
+
+    def _check(self, pos: int) -> None:
+        with self._locks[pos]:
+            if pos in self._checked:
+                return
+            path, want = self._wanted[pos]
+            if want is not None and self.failure is None:
+                digest = hashlib.sha256()
+                with open(path, "rb") as f:
+                    while block := f.read(self.CHUNK):
+                        digest.update(block)
+                if digest.hexdigest() != want:
+                    self.failure = (f"{path}: its sha256 differs from the one the store's manifest records (the file "
+                                    f"changed or is corrupt), so training stops before using it; run `eyas verify "
+                                    f"{self.store}` to see which samples, then capture the store again")
+            self._checked.add(pos)
+
+    def ensure(self, pos: int) -> None:
+        """Return once shard `pos` is known good; raise EyasError for a mismatch (in it or any shard)."""
+        if pos not in self._checked and pos in self._locks:
+            self._check(pos)
+        if self.failure is not None:
+            raise EyasError(self.failure)
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(5.0)
+
+
 class StoreReader:
     """`reader[i]` -> {sample_id, input_ids [T], loss_mask [T], aux_hidden [T, A*H], final_hidden [T, H]}."""
 
-    def __init__(self, path: str | Path, expect: dict | None = None, dtype: torch.dtype = torch.float32):
+    def __init__(self, path: str | Path, expect: dict | None = None, dtype: torch.dtype = torch.float32, *,
+                 check_sha256: bool = False):
         self.path = Path(path)
         self.dtype = dtype
+        self.checksums = ShardChecksums(self.path) if check_sha256 else None
         self.manifest = read_manifest(self.path)
         check_expect(self.manifest, expect, self.path)
         self._open: dict[int, _Shard] = {}
@@ -56,7 +132,14 @@ class StoreReader:
         for rec in new:  # appended in commit-discovery order, so global indices never move
             self._starts.append(len(self))
             self.shards.append(rec)
+            if self.checksums is not None:
+                self.checksums.add(len(self.shards) - 1, self.path / rec["file"], rec.get("sha256"))
         return new
+
+    def close(self) -> None:
+        """Stop the background checksum thread (if any); reads still check each shard before using it."""
+        if self.checksums is not None:
+            self.checksums.close()
 
     @property
     def complete(self) -> bool:
@@ -97,8 +180,10 @@ class StoreReader:
         return self.read(pos, i - self._starts[pos])
 
     def read(self, pos: int, j: int) -> dict:
-        """Sample j of the pos-th committed shard."""
+        """Sample j of the pos-th committed shard (with check_sha256: once its sha256 matched)."""
         shard = self._shard(pos)
+        if self.checksums is not None:
+            self.checksums.ensure(pos)
         a, b = int(shard.offsets[j]), int(shard.offsets[j + 1])
         aux_scale = shard.rows("aux_scale", a, b) if "aux_scale" in shard.scales else None  # [T, A]
         final_scale = shard.rows("final_scale", a, b) if "final_scale" in shard.scales else None  # [T, 1]

@@ -66,6 +66,15 @@ def all_reduce_sum(values: list[float], info: DistInfo) -> list[float]:
     return t.tolist()
 
 
+def all_reduce_max(values: list[float], info: DistInfo) -> list[float]:
+    """The largest of each value over the ranks: flags every rank must act on together (skip a step, save, stop)."""
+    if not info.enabled:
+        return values
+    t = torch.tensor(values, dtype=torch.float64, device=info.device)
+    torch_dist.all_reduce(t, op=torch_dist.ReduceOp.MAX)
+    return t.tolist()
+
+
 def model_state(module: torch.nn.Module, fsdp: bool) -> dict:
     """The full (unsharded) state dict of `module` on every rank."""
     if not fsdp:

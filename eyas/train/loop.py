@@ -3,6 +3,14 @@
 `train(cfg, out_dir, source)` is the Python entry (used by `eyas train` and the pipeline); `source` is a
 TrainSource (eyas/train/source.py), so the loop does not care whether features come from a store or
 from the target running in this process.
+
+A step whose loss or any gradient is not finite is skipped: no optimizer update (weights and AdamW moments
+stay as they were), gradients dropped, but the step counter, the data position and the learning-rate
+schedule advance as for any step, so the run keeps its planned length and schedule and a resume replays
+it exactly. Skipped steps are counted (`nonfinite_steps` in the records and the summary); train.max_bad_steps
+of them in a row stop training with an error, keeping the last checkpoint (weights holding NaN or inf are
+never saved). Under DDP/FSDP the ranks agree on skipping, on a wall-clock save (train.save_every_minutes)
+and on stopping for a signal (eyas/train/guards.py) through one all-reduce per step.
 """
 
 from __future__ import annotations
@@ -10,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import math
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,7 +30,7 @@ from eyas.config import RunConfig
 from eyas.identity import check_target
 from eyas.draft import DraftConfig, Eagle3Draft
 from eyas.train import checkpoint as ckpt
-from eyas.train import dist
+from eyas.train import dist, guards
 from eyas.train.data import pad_rows
 from eyas.train.metrics import MetricsLogger, peak_memory_gib
 from eyas.train.source import TrainSource
@@ -176,13 +185,15 @@ def _first_draft(tc, source: TrainSource) -> Eagle3Draft:
     return draft
 
 
-def _resume(run_dir: Path, draft: Eagle3Draft, meta: dict, state: dict, tc) -> dict | None:
-    """The newest checkpoint of run_dir loaded into `draft` and `state` (None without one); its draft must be
-    this run's."""
+def _resume(run_dir: Path, draft: Eagle3Draft, meta: dict, state: dict, cfg: RunConfig) -> dict | None:
+    """The newest checkpoint of run_dir loaded into `draft` and `state` (None without one); its draft and the
+    shape of its training must be this run's."""
+    tc = cfg.train
     resumed = ckpt.latest_step_dir(run_dir)
     loaded = ckpt.load_checkpoint(resumed) if resumed else None
     if not loaded:
         return None
+    guards.check_resume_config(resumed, cfg)
     old = loaded["draft_meta"]
     for key in ("draft_config", "aux_layers", "features"):
         if old.get(key) != meta[key]:
@@ -251,13 +262,14 @@ def _train(cfg: RunConfig, run_dir: Path, source: TrainSource, resume: bool, inf
     print0(f"draft: {draft.num_trainable_params() / 1e6:.2f}M trainable parameters "
            f"(H {draft.cfg.hidden_size}, Vd {draft.cfg.draft_vocab_size}, fc {draft.cfg.num_aux_layers}*H -> H, "
            f"features {tc.features}, TTT {tc.ttt})")
+    guards.check_memory(draft, tc, source.lm_head_weight, draft.cfg.num_aux_layers, info.device)
     batcher, val_batcher = source.batchers(tc.batch_tokens, tc.seed, info.rank, info.world_size, tc.val_samples)
     batches_per_epoch = batcher.batches_per_epoch()  # an estimate while tailing a store being captured
     total_steps = tc.steps or max(1, math.ceil(tc.epochs * batches_per_epoch / tc.grad_accum))
     meta = draft_meta(draft, source, cfg)
     state = {"step": 0, "epoch": 0, "batch_index": 0, "tokens": 0, "elapsed_s": 0.0, "last_metrics": None,
-             "total_steps": total_steps}
-    loaded = _resume(run_dir, draft, meta, state, tc) if resume else None
+             "total_steps": total_steps, "nonfinite_steps": 0, "bad_in_a_row": 0}
+    loaded = _resume(run_dir, draft, meta, state, cfg) if resume else None
     total_steps = state["total_steps"]
     sess = _session(tc, draft, info, total_steps, loaded)
     logger = MetricsLogger(run_dir, info.rank == 0, resume_step=state["step"] if loaded else None)
@@ -265,13 +277,15 @@ def _train(cfg: RunConfig, run_dir: Path, source: TrainSource, resume: bool, inf
     if info.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(info.device)
 
-    def save(step: int) -> None:
+    def save(step: int) -> Path:
         model_state = dist.model_state(sess.model, tc.fsdp)
         model_state = {k.removeprefix("module.").removeprefix("draft."): v for k, v in model_state.items()}
+        ckpt.check_finite(model_state, f"step {step}")  # on every rank, so that all stop together
         optim = {"optimizer": dist.optimizer_state(sess.model, sess.optimizer, tc.fsdp),
                  "scheduler": sess.scheduler.state_dict()}
         if info.rank == 0:
             ckpt.save_checkpoint(run_dir, step, model_state, optim, dict(state), meta, cfg, tc.keep_last)
+        return run_dir / ckpt.step_dir_name(step)
 
     # ---- loop
     print0(f"training {total_steps} steps ({batches_per_epoch} batches/epoch/rank, {info.world_size} rank(s), "
@@ -281,35 +295,34 @@ def _train(cfg: RunConfig, run_dir: Path, source: TrainSource, resume: bool, inf
              f"the learning rate reaches train.lr only near the end; about 5-10 % of the steps is usual")
     lm_head_weight = source.lm_head_weight.to(info.device)
     try:
-        _loop(tc, sess, stream, val_batcher, lm_head_weight, state, total_steps, info, logger, save)
+        with guards.StopSignals() as stop:
+            _loop(tc, sess, stream, val_batcher, lm_head_weight, state, total_steps, info, logger, save, stop)
     finally:
         stream.close()  # stops and joins the batch-reading thread, also when a step raised
+        source.close()
 
     # ---- finish
     return _finish(tc, run_dir, draft, state, logger, total_steps, batches_per_epoch, info)
 
 
 def _loop(tc, sess: _Session, stream, val_batcher, lm_head_weight, state: dict, total_steps: int,
-          info: dist.DistInfo, logger: MetricsLogger, save) -> None:
-    """Optimizer steps until total_steps: accumulate, clip, step, log (and score the held-out samples), save."""
+          info: dist.DistInfo, logger: MetricsLogger, save, stop: guards.StopSignals) -> None:
+    """Optimizer steps until total_steps: accumulate, clip, step (or skip), log (and score the held-out samples),
+    save (every train.save_every steps, every train.save_every_minutes, on a stop signal)."""
     window = _Window(tc.ttt)
     t_start = time.perf_counter() - state["elapsed_s"]
+    clock = guards.SaveClock(tc.save_every_minutes)
     while state["step"] < total_steps:
-        for micro in range(tc.grad_accum):
-            state["epoch"], state["batch_index"], batch = next(stream)
-            last = micro == tc.grad_accum - 1
-            no_sync = info.enabled and not tc.fsdp and not last
-            with sess.model.no_sync() if no_sync else contextlib.nullcontext():
-                with sess.autocast():
-                    res = sess.model(batch, lm_head_weight)
-                (res.loss / tc.grad_accum).backward()
-            window.add(res, int(batch["attention_mask"].sum()))
-        torch.nn.utils.clip_grad_norm_(sess.params, tc.grad_clip)
-        sess.optimizer.step()
-        sess.scheduler.step()
-        sess.optimizer.zero_grad(set_to_none=True)
+        results = _accumulate(tc, sess, stream, lm_head_weight, state, info)
+        norm = torch.nn.utils.clip_grad_norm_(sess.params, tc.grad_clip)
+        flags = [float(not _finite(norm, results)), float(stop.requested is not None), float(clock.due())]
+        bad, stopping, due = (v > 0 for v in dist.all_reduce_max(flags, info))
+        _update(sess, bad)
         state["step"] += 1
         step = state["step"]
+        _count_bad(bad, step, state, tc, logger.path.parent)
+        for res, tokens in results if not bad else ():
+            window.add(res, tokens)
         val_due = val_batcher is not None and (step % tc.val_every == 0 or step == total_steps)
         if step % tc.log_every == 0 or step == total_steps or val_due:
             rec = window.record(step, sess.scheduler.get_last_lr()[0], tc.loss_decay, info)
@@ -318,13 +331,71 @@ def _loop(tc, sess: _Session, stream, val_batcher, lm_head_weight, state: dict, 
                                           sess.compiled))
                 window.t0 = time.perf_counter()  # tokens_per_s counts training only
             rec["peak_mem_GiB"] = peak_memory_gib(info.device)
+            rec["nonfinite_steps"] = state["nonfinite_steps"]
             state["tokens"] += rec.pop("_tokens")
             state["elapsed_s"] = rec["elapsed_s"] = time.perf_counter() - t_start
             state["last_metrics"] = rec
             logger.log(rec, total_steps, tc.ttt)
-        if step % tc.save_every == 0 or step == total_steps:
+        if step % tc.save_every == 0 or step == total_steps or due or stopping:
             state["elapsed_s"] = time.perf_counter() - t_start
-            save(step)
+            saved = save(step)
+            clock.saved()
+            if stopping and step < total_steps:
+                raise guards.stopped_error(stop.requested or "a stop signal (on another rank)", step, total_steps,
+                                           saved)
+
+
+def _accumulate(tc, sess: _Session, stream, lm_head_weight, state: dict, info: dist.DistInfo) -> list:
+    """Forward and backward of train.grad_accum micro-batches; -> [(TTTResult, real tokens)] of each."""
+    results = []
+    for micro in range(tc.grad_accum):
+        state["epoch"], state["batch_index"], batch = next(stream)
+        last = micro == tc.grad_accum - 1
+        no_sync = info.enabled and not tc.fsdp and not last
+        with sess.model.no_sync() if no_sync else contextlib.nullcontext():
+            with sess.autocast():
+                res = sess.model(batch, lm_head_weight)
+            (res.loss / tc.grad_accum).backward()
+        results.append((res, int(batch["attention_mask"].sum())))
+    return results
+
+
+def _finite(norm: torch.Tensor, results: list) -> bool:
+    """Whether the gradients' total norm and every micro-batch's loss are finite (one host sync)."""
+    if hasattr(norm, "full_tensor"):  # FSDP2: a DTensor
+        norm = norm.full_tensor()
+    losses = torch.stack([res.loss.detach().float().reshape(()) for res, _ in results])  # [grad_accum]
+    return bool(torch.isfinite(norm) & torch.isfinite(losses).all())
+
+
+def _update(sess: _Session, skip: bool) -> None:
+    """The optimizer step (none when `skip`), the schedule's step, gradients dropped."""
+    if not skip:
+        sess.optimizer.step()
+        sess.scheduler.step()
+    else:
+        with warnings.catch_warnings():  # a first step skipped: torch warns of a schedule stepped before its optimizer
+            warnings.simplefilter("ignore", UserWarning)
+            sess.scheduler.step()
+    sess.optimizer.zero_grad(set_to_none=True)
+
+
+def _count_bad(bad: bool, step: int, state: dict, tc, run_dir: Path) -> None:
+    """Count a skipped step; train.max_bad_steps in a row stop training, naming the last good checkpoint."""
+    if not bad:
+        state["bad_in_a_row"] = 0
+        return
+    state["nonfinite_steps"] += 1
+    state["bad_in_a_row"] += 1
+    in_a_row = state["bad_in_a_row"]
+    warn(f"step {step}: the loss or a gradient is NaN or inf; the step is skipped, no weight changes "
+         f"({in_a_row} in a row, {state['nonfinite_steps']} in this run)")
+    if in_a_row >= tc.max_bad_steps:
+        kept = ckpt.latest_step_dir(run_dir)
+        raise EyasError(f"training stopped at step {step}: {in_a_row} steps in a row had a NaN or inf loss or gradient "
+                        f"(train.max_bad_steps={tc.max_bad_steps}); the last good checkpoint is "
+                        f"{kept or 'none (none was written yet)'}; likely causes: a learning rate too high "
+                        f"(train.lr={tc.lr:g}) or corrupt data (check the store with `eyas verify STORE`)")
 
 
 def _finish(tc, run_dir: Path, draft: Eagle3Draft, state: dict, logger: MetricsLogger, total_steps: int,
@@ -341,7 +412,7 @@ def _finish(tc, run_dir: Path, draft: Eagle3Draft, state: dict, logger: MetricsL
         "wall_s": round(wall, 3), "tokens_per_s": round(state["tokens"] / wall, 1) if wall > 0 else 0.0,
         "last_window_tokens_per_s": last.get("tokens_per_s"), "world_size": info.world_size,
         "checkpoint": str(run_dir / "latest"), "curves": str(curves) if curves else None,
-        "trainable_params": draft.num_trainable_params(),
+        "trainable_params": draft.num_trainable_params(), "nonfinite_steps": state["nonfinite_steps"],
     }
     if info.rank == 0:
         ckpt.write_summary(run_dir, summary)

@@ -37,11 +37,17 @@ class TrainSource:
     target_model: str | None = None
     num_layers: int | None = None  # the target's decoder layers (exporters need it); None = from target_config
     tail: "GrowingStore | None" = None  # set when training consumes a store while it is being captured
+    reader: object | None = None  # the StoreReader of a store source (it checks each shard's sha256)
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self):
         if self.num_layers is None and self.target_config.get("num_hidden_layers"):
             self.num_layers = int(self.target_config["num_hidden_layers"])
+
+    def close(self) -> None:
+        """Stop background work (the store's checksum thread); samples can still be read."""
+        if self.reader is not None:
+            self.reader.close()
 
     def batcher(self, batch_tokens: int, seed: int, rank: int = 0, world_size: int = 1) -> Batcher | TailBatcher:
         if self.tail is not None:
@@ -195,13 +201,14 @@ def store_source(store: str | Path, expect: dict | None = None, vocab: str | Pat
     """A TrainSource over a store; `expect` (manifest keys) makes a mismatching store an error.
 
     With `tail`, the store may still be being captured: training takes its shards as they are committed.
+    Every shard's sha256 is checked against the manifest's before a sample of it is used (eyas/store/reader.py).
     """
     from safetensors.torch import load_file
 
     from eyas.store import StoreReader
 
     store = Path(store)
-    reader = StoreReader(store, expect=expect)
+    reader = StoreReader(store, expect=expect, check_sha256=True)
     manifest = reader.manifest
     head_path = store / "target_head.safetensors"
     if not head_path.is_file():
@@ -239,5 +246,5 @@ def store_source(store: str | Path, expect: dict | None = None, vocab: str | Pat
         target_config=manifest.get("target_config") or {}, target=manifest.get("target"),
         aux_layers=list(manifest["aux_layers"]), d2t=d2t, t2d=t2d, store=str(store),
         target_model=(manifest.get("target") or {}).get("name"), num_layers=manifest.get("num_layers"),
-        tail=growing,
+        tail=growing, reader=reader,
     )

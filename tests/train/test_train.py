@@ -42,8 +42,9 @@ def test_train_learns_and_writes_a_self_describing_run(tmp_path):
     assert sorted(p.name for p in tmp_path.glob("step-*")) == ["step-0000010", "step-0000020"]  # keep_last 2
     assert os.readlink(tmp_path / "latest") == "step-0000020"
     step = tmp_path / "latest"
-    assert {p.name for p in step.iterdir()} == {"model.safetensors", "draft.json", "optimizer.pt",
-                                                "trainer_state.json", "rng.pt", "config.yaml"}
+    assert {p.name for p in step.iterdir()} == {"model.safetensors", "draft.json", "optimizer.safetensors",
+                                                "optimizer.json", "rng.safetensors", "rng.json",
+                                                "trainer_state.json", "config.yaml"}
     weights = load_file(str(step / "model.safetensors"))
     assert "embed_tokens.weight" not in weights and weights["d2t"].dtype == torch.long
     meta = json.loads((step / "draft.json").read_text())
