@@ -2,15 +2,25 @@
 
 Each command module defines `HELP` (one line), `add_arguments(parser)` and `main(args) -> int`.
 A module may also define `EPILOG`, shown after its options in `eyas NAME --help`. Modules are
-imported only for the subcommand that runs, so `eyas --help` stays fast. A user error (EyasError
-or ConfigError) prints one line and exits 2; any other exception is a bug and keeps its traceback.
+imported only for the subcommand that runs, so `eyas --help` stays fast.
+
+Every failure is one line on stderr, `eyas NAME: error: ...`, and exit status 2: a user error (EyasError,
+ConfigError) as raised; a full disk, a path that cannot be written or read, and exhausted memory named with
+their file and the fix. An exception eyas does not expect is a bug: one line names it and the file that holds
+its traceback. `--debug` (or EYAS_DEBUG=1, which the stage commands of `eyas run` inherit) shows the
+traceback instead.
 """
 
 from __future__ import annotations
 
 import argparse
+import errno
 import importlib
+import os
 import sys
+import tempfile
+import time
+import traceback
 
 COMMANDS = {name: f"eyas.commands.{name}" for name in
             ("run", "prepare", "capture", "train", "eval", "export", "verify", "gpus")}
@@ -26,6 +36,17 @@ SUMMARIES = {
 }
 
 
+DEBUG_HELP = "show the traceback of a failure instead of one line (also: EYAS_DEBUG=1)"
+
+
+class _CommandParser(argparse.ArgumentParser):
+    """A subcommand's parser: a bad option is one line that names it, the value and where the options are
+    described (argparse would print the whole usage first)."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message}; see `{self.prog} --help`\n")
+
+
 def _load(name: str):
     return importlib.import_module(COMMANDS[name])
 
@@ -38,7 +59,8 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     from eyas import __version__
 
     parser.add_argument("--version", action="version", version=f"eyas {__version__}")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    parser.add_argument("--debug", action="store_true", help=DEBUG_HELP)
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_CommandParser)
     for name in COMMANDS:
         mod = _load(name) if name == only else None
         help_ = SUMMARIES[name]
@@ -47,6 +69,7 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
                            formatter_class=argparse.RawDescriptionHelpFormatter)
         if mod is not None:
             mod.add_arguments(p)
+            p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=DEBUG_HELP)
     return parser
 
 
@@ -62,18 +85,72 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     mod = _load(command)
     args = build_parser(only=command).parse_args(argv)
-    from eyas.common import EyasError
-    from eyas.config import ConfigError
-
+    if getattr(args, "debug", False):
+        os.environ["EYAS_DEBUG"] = "1"  # the stage commands `eyas run` starts inherit it
     try:
         return int(mod.main(args) or 0)
-    except (EyasError, ConfigError) as e:
-        print(f"eyas {command}: error: {e}", file=sys.stderr)
-        return 2
     except KeyboardInterrupt:
         print(f"eyas {command}: interrupted", file=sys.stderr)
         return 130
+    except Exception as e:  # noqa: BLE001 -- every failure ends as one line, unless --debug asks otherwise
+        if os.environ.get("EYAS_DEBUG", "") not in ("", "0"):
+            raise
+        print(f"eyas {command}: error: {describe(e, command).strip()}", file=sys.stderr)
+        return 2
 
+
+def describe(e: Exception, command: str) -> str:
+    """What the user reads for an exception: its message for a user error, the file and the fix for a full
+    disk, a path that cannot be used or exhausted memory; for anything else (a bug) its type, its first
+    line and where its traceback was written."""
+    from eyas.common import EyasError
+    from eyas.config import ConfigError
+
+    if isinstance(e, (EyasError, ConfigError)):
+        return str(e)
+    if isinstance(e, OSError):
+        return _os_error(e)
+    if isinstance(e, MemoryError) or type(e).__name__ == "OutOfMemoryError":  # torch's is a RuntimeError
+        where = "GPU" if type(e).__name__ == "OutOfMemoryError" else "host"
+        return (f"out of {where} memory ({_first_line(e)}); give the process more memory or make the work "
+                f"smaller (train.batch_tokens, data.max_length, capture.token_budget, data.regen_batch_size)")
+    return (f"unexpected {_first_line(e)}; this is a bug in eyas: please report it with the traceback, "
+            f"{_save_traceback(e, command)}")
+
+
+def _os_error(e: OSError) -> str:
+    """A failure of the file system (or another part of the machine) is the user's to fix: name it."""
+    if e.errno in (errno.ENOSPC, errno.EDQUOT):
+        where = f"while writing {e.filename}" if e.filename is not None else f"({e.strerror})"
+        return f"disk full {where}: free space or choose another --out"
+    if e.filename is None:
+        return f"{_first_line(e)} (an error of the operating system: check the disk, permissions or network)"
+    name = e.filename
+    if isinstance(e, PermissionError):
+        return f"{name}: permission denied; choose a path this user may write and read"
+    if isinstance(e, NotADirectoryError):
+        return f"{name}: a path in it is a file where a directory is expected; choose another path"
+    if isinstance(e, IsADirectoryError):
+        return f"{name}: is a directory where a file is expected; choose another path"
+    return f"{name}: {e.strerror or type(e).__name__}"
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return f"{type(e).__name__}: {text.splitlines()[0][:300]}" if text else type(e).__name__
+
+
+def _save_traceback(e: BaseException, command: str) -> str:
+    """Write the traceback to a file and say where (or, if that fails, how to see it)."""
+    text = "".join(traceback.format_exception(e))
+    try:
+        fd, path = tempfile.mkstemp(prefix=f"eyas-{command}-{time.strftime('%Y%m%d-%H%M%S')}-",
+                                    suffix=".traceback.txt")
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+    except OSError:
+        return "which `eyas --debug` shows"
+    return f"which is in {path} (or rerun with --debug)"
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -9,7 +9,10 @@ field types; errors are one line that names the key and lists the valid ones.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
+import math
+import os
 import re
 import types
 import typing
@@ -37,7 +40,29 @@ def _in_range(name: str, value: float, low: float, high: float) -> None:
         raise ConfigError(f"{name}={value!r} must lie in [{low}, {high}]")
 
 
+def _json_mapping(name: str, value: dict) -> None:
+    """A mapping that goes into a hash and into JSON bodies or engine arguments: strings, finite numbers,
+    true/false, null, lists and mappings only."""
+    try:
+        json.dumps(value, allow_nan=False)
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"{name}={value!r}: {e}; give JSON values (strings, finite numbers, true/false, lists, "
+                          f"mappings)") from None
+
+
+def _check_fields(section: str, obj) -> None:
+    """Every field of a section checked against its type, as a value read from YAML or --set is (and
+    converted the same way), so that a config built in code is held to the rules of one read from a file."""
+    for name, tp in _field_types(type(obj)).items():
+        setattr(obj, name, _coerce(f"{section}.{name}", getattr(obj, name), tp))
+
+
 _DEVICE = re.compile(r"auto|cpu|mps|cuda(:\d+)?")
+# the longest training-time test: each step keeps its activations and its attention over every earlier step
+# for the backward pass, so memory grows with ttt (EAGLE-3 trains with 7)
+MAX_TTT = 64
+# a learning rate above this moves each weight by about its own size in one AdamW step
+MAX_LR = 1.0
 
 
 # target specs that name a model eyas builds or ships itself, never a path (eyas/target/load.py)
@@ -64,7 +89,9 @@ class TargetConfig:
     engine: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self):
+        _check_fields("target", self)
         _one_of("target.backend", self.backend, ("hf", "vllm"))
+        _json_mapping("target.engine", self.engine)
         if not self.model.strip():
             raise ConfigError("target.model is empty; give a model directory, a hub id, a .gguf file, smollm2 or tiny")
         _one_of("target.dtype", self.dtype, ("auto", "fp32", "bf16", "fp16"))
@@ -128,12 +155,16 @@ class DataConfig:
     max_record_mb: float = 16.0
 
     def __post_init__(self):
+        _check_fields("data", self)
         _one_of("data.format", self.format, ("auto", "sharegpt", "openai", "prompt-response"))
         _one_of("data.on_long", self.on_long, ("drop", "truncate"))
         _at_least("data.max_length", self.max_length, 8)
         _at_least("data.draft_vocab", self.draft_vocab, 1)
         _at_least("data.num_prompts", self.num_prompts, 0)
         _at_least("data.self_prompts", self.self_prompts, 0)
+        if self.self_prompts and self.regenerate is None:
+            raise ConfigError(f"data.self_prompts={self.self_prompts} needs data.regenerate (local or a server URL): "
+                              f"the target's own prompts have no responses until it answers them")
         if self.self_prompts and not 0 < self.self_prompt_temperature <= 2:
             raise ConfigError(f"data.self_prompt_temperature={self.self_prompt_temperature!r} must lie in (0, 2]: "
                               f"greedy decoding would write the same request every time")
@@ -157,15 +188,15 @@ class DataConfig:
         _at_least("data.regen_threads", self.regen_threads, 0, " (0 = torch's default)")
         if any(not t for t in self.stop_tokens):
             raise ConfigError(f"data.stop_tokens={self.stop_tokens!r} holds an empty token")
-        try:  # it goes into the regeneration settings' hash and into each request's JSON body
-            json.dumps(self.chat_template_kwargs)
-        except TypeError as e:
-            raise ConfigError(f"data.chat_template_kwargs={self.chat_template_kwargs!r}: {e}; give JSON values "
-                              f"(strings, numbers, true/false, lists, mappings)") from None
+        # it goes into the regeneration settings' hash and into each request's JSON body
+        _json_mapping("data.chat_template_kwargs", self.chat_template_kwargs)
         taken = sorted(set(self.chat_template_kwargs) & set(_RENDER_ARGUMENTS))
         if taken:
             raise ConfigError(f"data.chat_template_kwargs sets {', '.join(taken)}, which eyas sets itself; give "
                               f"only the template's own variables, such as enable_thinking")
+        if self.max_record_mb <= 0:
+            raise ConfigError(f"data.max_record_mb={self.max_record_mb!r} must be > 0: larger input records are "
+                              f"skipped before they are parsed")
 
 
 # the hidden-state store's dtypes (eyas/store/codec.py PARTS says what each stores in which dtype)
@@ -184,6 +215,7 @@ class CaptureConfig:
     inject_oom_tokens: int = 0  # testing: forward passes over this many (padded) tokens raise OutOfMemoryError
 
     def __post_init__(self):
+        _check_fields("capture", self)
         _one_of("capture.mode", self.mode, ("store", "online"))
         _one_of("capture.dtype", self.dtype, ("auto", *STORE_DTYPES))
         _at_least("capture.token_budget", self.token_budget, 0, " (0 = derived from free memory)")
@@ -229,12 +261,17 @@ class TrainConfig:
     save_every_minutes: float = 10.0  # also write a checkpoint after this much wall time (0 = by steps only)
 
     def __post_init__(self):
+        _check_fields("train", self)
         _one_of("train.attention", self.attention, ("dense", "flex", "reference"))
         _one_of("train.features", self.features, ("fused", "last"))
         _one_of("train.dtype", self.dtype, ("auto", "fp32", "bf16"))
-        _at_least("train.ttt", self.ttt, 1)
-        if self.lr <= 0:
-            raise ConfigError(f"train.lr={self.lr!r} must be > 0")
+        if not 1 <= self.ttt <= MAX_TTT:
+            raise ConfigError(f"train.ttt={self.ttt!r} must lie in [1, {MAX_TTT}]: each training-time-test step "
+                              f"keeps its activations for the backward pass, so memory grows with ttt "
+                              f"(EAGLE-3 uses 7)")
+        if not 0 < self.lr <= MAX_LR:
+            raise ConfigError(f"train.lr={self.lr!r} must lie in (0, {MAX_LR:g}]: AdamW moves each weight by about "
+                              f"lr per step, so a larger rate wrecks the draft in a step (typical: 1e-4 to 2e-3)")
         _at_least("train.steps", self.steps, 0, " (0 = derived from train.epochs)")
         if self.epochs <= 0:
             raise ConfigError(f"train.epochs={self.epochs!r} must be > 0")
@@ -248,6 +285,8 @@ class TrainConfig:
         _at_least("train.weight_decay", self.weight_decay, 0.0)
         if not 0 < self.loss_decay <= 1:
             raise ConfigError(f"train.loss_decay={self.loss_decay!r} must lie in (0, 1]")
+        _at_least("train.max_bad_steps", self.max_bad_steps, 1, " (consecutive non-finite steps that stop training)")
+        _at_least("train.save_every_minutes", self.save_every_minutes, 0.0, " (0 = save by steps only)")
 
 
 @dataclass
@@ -269,6 +308,7 @@ class EvalConfig:
     compile_draft: bool = False
 
     def __post_init__(self):
+        _check_fields("eval", self)
         if not self.benches:
             raise ConfigError("eval.benches is empty; give mt-bench, humaneval or a JSONL file of prompts")
         if not self.steps or any(k < 1 for k in self.steps):
@@ -290,6 +330,7 @@ class ExportConfig:
     embed_tokens: bool = False  # also write the target's embedding (engines take it from the target)
 
     def __post_init__(self):
+        _check_fields("export", self)
         if not self.formats:
             raise ConfigError("export.formats is empty; choose from: sglang, vllm, speculators")
         for f in self.formats:
@@ -306,6 +347,12 @@ class RunConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     export: ExportConfig = field(default_factory=ExportConfig)
+
+    def __post_init__(self):
+        # options of two sections that cannot hold together
+        if self.train.ttt > self.data.max_length:
+            raise ConfigError(f"train.ttt={self.train.ttt} is longer than data.max_length={self.data.max_length}: "
+                              f"a sample has no tokens for the later training-time-test steps")
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -450,21 +497,29 @@ def _coerce(key: str, value: Any, tp: Any) -> Any:
                 pass
         raise ConfigError(f"{key}: expected an integer, got {value!r}")
     if tp is float:
+        number = None
         if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str):
+            number = float(value)
+        elif isinstance(value, str):
             try:
-                return float(value)
+                number = float(value)
             except ValueError:
                 pass
-        raise ConfigError(f"{key}: expected a number, got {value!r}")
+        if number is None:
+            raise ConfigError(f"{key}: expected a number, got {value!r}")
+        if not math.isfinite(number):  # "1e999" reads as infinity
+            raise ConfigError(f"{key}={value!r}: expected a finite number, not NaN or infinity")
+        return number
     if tp is str:
+        if isinstance(value, os.PathLike):
+            return os.fspath(value)
         if isinstance(value, (str, int, float)) and not isinstance(value, bool):
             return str(value)
         raise ConfigError(f"{key}: expected a string, got {value!r}")
     raise AssertionError(f"unsupported config field type {tp} for {key}")
 
 
+@functools.cache
 def _field_types(cls) -> dict[str, Any]:
     hints = typing.get_type_hints(cls)
     return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
@@ -508,6 +563,30 @@ def parse_set(items: list[str]) -> dict[str, dict[str, Any]]:
     return updates
 
 
+# a config is a few KB of YAML; a larger file given as one is not a config
+MAX_CONFIG_BYTES = 1 << 20
+
+
+def _read_yaml(path: Path) -> Any:
+    """The YAML document of a config file, or a ConfigError that says why the file is not one."""
+    import yaml
+
+    try:
+        if path.stat().st_size > MAX_CONFIG_BYTES:
+            raise ConfigError(f"{path}: {path.stat().st_size:,} bytes is too large for a config file "
+                              f"(at most {MAX_CONFIG_BYTES:,}); give a YAML config or a preset name")
+        text = path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{path}: not a YAML text file (byte {e.start} is not UTF-8); give a YAML config or a "
+                          f"preset name ({', '.join(PRESETS)})") from None
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read the config ({e.strerror or type(e).__name__})") from None
+    try:
+        return yaml.safe_load(text) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: not valid YAML ({str(e).splitlines()[0]})") from None
+
+
 def load_config(source: str | None = None, overrides: list[str] | None = None) -> RunConfig:
     """Resolve a preset name or YAML path (default: demo), then apply --set overrides."""
     source = source or "demo"
@@ -517,12 +596,7 @@ def load_config(source: str | None = None, overrides: list[str] | None = None) -
         path = Path(source)
         if not path.is_file():
             raise ConfigError(f"{source!r} is neither a preset ({', '.join(PRESETS)}) nor a YAML file")
-        import yaml
-
-        try:
-            doc = yaml.safe_load(path.read_text()) or {}
-        except yaml.YAMLError as e:
-            raise ConfigError(f"{path}: not valid YAML ({str(e).splitlines()[0]})") from None
+        doc = _read_yaml(path)
         if not isinstance(doc, dict):
             raise ConfigError(f"{path}: the top level must be a mapping of sections")
         base = doc.pop("preset", None)

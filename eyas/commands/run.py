@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from eyas.commands import non_negative_seconds
+
 HELP = "run the whole pipeline (prepare, regenerate, capture, train, eval, export) in a run directory"
 
 
@@ -16,23 +18,43 @@ def add_arguments(parser) -> None:
                         help="override one config value (repeatable)")
     parser.add_argument("--run-dir", required=True, help="where every stage writes; rerun to resume or skip")
     parser.add_argument("--gpus", default=None, help="device indices to use, e.g. 0,1,2,3 (default: all visible)")
-    parser.add_argument("--wait-for-gpus", type=float, default=0.0, metavar="SECONDS",
+    parser.add_argument("--wait-for-gpus", type=non_negative_seconds, default=0.0, metavar="SECONDS",
                         help="wait this long for other processes to free our GPUs (default: refuse at once)")
     parser.add_argument("--no-overlap", action="store_true",
                         help="never run capture and training at once, even with two or more GPUs")
-    parser.add_argument("--stage-timeout", type=float, default=0.0, metavar="SECONDS",
+    parser.add_argument("--stage-timeout", type=non_negative_seconds, default=0.0, metavar="SECONDS",
                         help="end a stage command that runs longer than this (default: no limit)")
-    parser.add_argument("--grace", type=float, default=10.0, metavar="SECONDS",
+    parser.add_argument("--grace", type=non_negative_seconds, default=10.0, metavar="SECONDS",
                         help="time between SIGTERM and SIGKILL when a stage is ended")
-    parser.add_argument("--release-timeout", type=float, default=120.0, metavar="SECONDS",
+    parser.add_argument("--release-timeout", type=non_negative_seconds, default=120.0, metavar="SECONDS",
                         help="how long to wait for a stage's GPU memory to be released")
     parser.add_argument("--quiet", action="store_true", help="do not copy stage output to the terminal")
+
+
+def _devices(text: str | None) -> list[int] | None:
+    """--gpus as NVML device indices, each of a GPU this machine has: one that is not there is refused before
+    the run directory is touched."""
+    from eyas.common import EyasError
+    from eyas.gpu import nvml
+    from eyas.gpu.devices import parse_gpus
+
+    if text is None:
+        return None
+    devices = parse_gpus(text)
+    if devices and not nvml.available():
+        raise EyasError(f"--gpus {text}: no GPU is visible here ({nvml.why_unavailable()}); drop --gpus to run "
+                        f"the stages on the CPU")
+    known = sorted(g.index for g in nvml.gpus()) if devices else []
+    missing = sorted(set(devices) - set(known))
+    if missing:
+        raise EyasError(f"--gpus {text}: this machine has no GPU {', '.join(map(str, missing))} (it has "
+                        f"{', '.join(map(str, known)) or 'none'}); `eyas gpus` lists them")
+    return devices
 
 
 def main(args) -> int:
     from eyas.common import EyasError
     from eyas.config import load_config
-    from eyas.gpu.devices import parse_gpus
     from eyas.gpu.procs import Terminated
     from eyas.layout import RunLayout
     from eyas.pipeline import RunOptions, run_pipeline
@@ -47,7 +69,7 @@ def main(args) -> int:
     from eyas.data.benchmarks import check_benches
 
     check_benches(cfg.eval.benches)  # the eval stage comes last: find a missing benchmark before the first
-    opts = RunOptions(gpus=parse_gpus(args.gpus) if args.gpus is not None else None,
+    opts = RunOptions(gpus=_devices(args.gpus),
                       wait_for_gpus=args.wait_for_gpus, overlap=not args.no_overlap,
                       stage_timeout=args.stage_timeout, grace_s=args.grace,
                       release_timeout_s=args.release_timeout, echo=not args.quiet)

@@ -11,7 +11,7 @@ eyas.stages.train.
 
 from __future__ import annotations
 
-from eyas.commands import flag_overrides
+from eyas.commands import flag_overrides, positive_seconds
 
 HELP = "train the EAGLE-3 draft with training-time test"
 
@@ -38,8 +38,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--resume", action="store_true", help="continue from RUN_DIR/latest if it exists")
     parser.add_argument("--tail", action="store_true", help="the store is still being captured: train on its shards "
                                                              "as they are committed (waits for the manifest and each shard)")
-    parser.add_argument("--poll-s", type=float, default=2.0, help="with --tail: seconds between looks at the manifest")
-    parser.add_argument("--tail-timeout-s", type=float, default=3600.0,
+    parser.add_argument("--poll-s", type=positive_seconds, default=2.0, help="with --tail: seconds between looks at the manifest")
+    parser.add_argument("--tail-timeout-s", type=positive_seconds, default=3600.0,
                         help="with --tail: give up when no new shard is committed for this long")
     parser.add_argument("--device", help="auto | cpu | cuda | cuda:N (default: auto; under torchrun the local rank)")
 
@@ -64,13 +64,17 @@ def main(args) -> int:
     if args.source == "online":
         if not args.data:
             raise EyasError("--source online needs --data PREPARED_DIR (written by `eyas prepare`)")
-        if args.store:
-            raise EyasError("--store has no effect with --source online (the target computes the features from "
-                            "--data); drop one of them")
+        if args.store or args.tail:
+            option = "--store" if args.store else "--tail"
+            raise EyasError(f"{option} has no effect with --source online (the target computes the features from "
+                            f"--data); drop one of them")
         inputs = train.Inputs(prepared=args.data, vocab=args.vocab)
     else:
         if not args.store:
             raise EyasError("--source store needs --store STORE (or use --source online --data PREPARED_DIR)")
+        if args.data:
+            raise EyasError("--data has no effect with --source store (the store's manifest names its prepared "
+                            "data); drop --data, or train from it with --source online")
         inputs = train.Inputs(store=args.store, vocab=args.vocab, tail=args.tail, poll_s=args.poll_s,
                               tail_timeout_s=args.tail_timeout_s)
     train.run(cfg, inputs, args.out, resume=args.resume, device=args.device)

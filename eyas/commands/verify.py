@@ -5,14 +5,16 @@ Exit status 0 when the store is valid, 1 on any mismatch (each printed on its ow
 
 from __future__ import annotations
 
+from eyas.commands import non_negative_int
+
 HELP = "check a store's checksums and recompute samples with the target"
 
 
 def add_arguments(parser) -> None:
     parser.add_argument("store", metavar="STORE", help="store directory written by `eyas capture`")
     parser.add_argument("--target", help="target to recompute with (default: the one the manifest names)")
-    parser.add_argument("--samples", type=int, default=4, help="samples to recompute (0 = files only; default 4)")
-    parser.add_argument("--seed", type=int, default=0, help="which random samples to recompute")
+    parser.add_argument("--samples", type=non_negative_int, default=4, help="samples to recompute (0 = files only; default 4)")
+    parser.add_argument("--seed", type=non_negative_int, default=0, help="which random samples to recompute")
     parser.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
 
 

@@ -10,6 +10,10 @@ EDITS) and counted in one line once the sources are read: an empty system messag
 many) is dropped; a last assistant turn left empty is dropped when regeneration writes it anyway; a last
 user turn that nothing answers is cut, so the turns before it still train. A top-level "system" field
 (LLaMA-Factory's ShareGPT and OpenAI records, and prompt-response ones) is the system prompt.
+
+A record larger than `data.max_record_mb` is a Skip (too_large) found before it is parsed: a JSONL line is
+read in bounded pieces and never held whole, a Parquet row is measured in Arrow before it becomes Python
+objects. A JSON document is parsed whole, so a file over MAX_JSON_MB is refused with the advice to use JSONL.
 """
 
 from __future__ import annotations
@@ -20,12 +24,18 @@ from pathlib import Path
 from typing import Any, Iterable, Iterator
 
 from eyas.common import print0
+from eyas.config import DataConfig
+
+MB = 1 << 20
+# json.load holds a whole document, as Python objects several times its size; larger files must be JSONL
+MAX_JSON_MB = 256
 
 # reason -> what the user reads in prepare.json
 REASONS = {
     "unreadable_file": "the file could not be opened or parsed",
     "invalid_utf8": "the line is not valid UTF-8",
     "malformed_json": "the line is not valid JSON",
+    "too_large": "larger than data.max_record_mb (skipped before it was parsed)",
     "not_an_object": "the record is not a JSON object",
     "unknown_format": "no conversations/messages/prompt field (or not the --format asked for)",
     "missing_field": "a message lacks its role or content",
@@ -73,8 +83,11 @@ class Skip:
     detail: str = ""
 
 
-def read_sources(sources: Iterable[str], fmt: str = "auto", need_assistant: bool = True) -> Iterator[Conversation | Skip]:
-    """All records of all sources in order; duplicate ids (across sources too) are skipped."""
+def read_sources(sources: Iterable[str], fmt: str = "auto", need_assistant: bool = True,
+                 max_record_mb: float = DataConfig.max_record_mb) -> Iterator[Conversation | Skip]:
+    """All records of all sources in order; duplicate ids (across sources too) and records larger than
+    `max_record_mb` are skipped."""
+    limit = max(1, int(max_record_mb * MB))
     seen: set[str] = set()
     labels: set[str] = set()
     edits: dict[str, list] = {}  # repair -> [count, first record]
@@ -85,7 +98,7 @@ def read_sources(sources: Iterable[str], fmt: str = "auto", need_assistant: bool
         if label in labels:
             label = f"{label}#{k}"
         labels.add(label)
-        for item in _read_one(source, label, fmt, need_assistant):
+        for item in _read_one(source, label, fmt, need_assistant, limit):
             if isinstance(item, Conversation):
                 if item.sample_id in seen:
                     yield Skip("duplicate_id", item.where, item.sample_id)
@@ -99,21 +112,21 @@ def read_sources(sources: Iterable[str], fmt: str = "auto", need_assistant: bool
                                                  for e, (n, where) in edits.items()))
 
 
-def _read_one(source: str, stem: str, fmt: str, need_assistant: bool) -> Iterator[Conversation | Skip]:
+def _read_one(source: str, stem: str, fmt: str, need_assistant: bool, limit: int) -> Iterator[Conversation | Skip]:
     path = Path(source).expanduser()
     if not path.exists() and not _looks_like_hub_name(source):
         yield Skip("unreadable_file", source, "no such file")
         return
     if path.is_dir() or not path.exists():
-        yield from _read_hf(source, stem, fmt, need_assistant)
+        yield from _read_hf(source, stem, fmt, need_assistant, limit)
         return
     suffix = "".join(path.suffixes[-2:]) if path.suffix == ".gz" else path.suffix
     if suffix in (".jsonl", ".jsonl.gz"):
-        yield from _read_jsonl(path, stem, fmt, need_assistant)
+        yield from _read_jsonl(path, stem, fmt, need_assistant, limit)
     elif suffix == ".json":
-        yield from _read_json(path, stem, fmt, need_assistant)
+        yield from _read_json(path, stem, fmt, need_assistant, limit)
     elif suffix == ".parquet":
-        yield from _read_parquet(path, stem, fmt, need_assistant)
+        yield from _read_parquet(path, stem, fmt, need_assistant, limit)
     else:
         yield Skip("unreadable_file", source, f"unknown file type {path.suffix!r} (use .jsonl, .json or .parquet)")
 
@@ -122,7 +135,25 @@ def _looks_like_hub_name(source: str) -> bool:
     return source.count("/") == 1 and not source.startswith((".", "/", "~")) and " " not in source
 
 
-def _read_jsonl(path: Path, stem: str, fmt: str, need_assistant: bool) -> Iterator[Conversation | Skip]:
+def bounded_lines(f, limit: int) -> Iterator[tuple[int, bytes | None]]:
+    """(line number, line) for each line of the binary file `f`; a line longer than `limit` bytes comes as
+    (number, None), read past in pieces so that it is never held whole."""
+    lineno = 0
+    while raw := f.readline(limit + 1):
+        lineno += 1
+        if len(raw) <= limit or raw.endswith(b"\n"):
+            yield lineno, raw
+            continue
+        while (rest := f.readline(MB)) and not rest.endswith(b"\n"):
+            pass
+        yield lineno, None
+
+
+def _too_large(where: str, size: str, limit: int) -> Skip:
+    return Skip("too_large", where, f"{size}, over data.max_record_mb={limit / MB:g}")
+
+
+def _read_jsonl(path: Path, stem: str, fmt: str, need_assistant: bool, limit: int) -> Iterator[Conversation | Skip]:
     import gzip
 
     try:
@@ -131,31 +162,51 @@ def _read_jsonl(path: Path, stem: str, fmt: str, need_assistant: bool) -> Iterat
         yield Skip("unreadable_file", str(path), e.strerror or type(e).__name__)
         return
     with f:
-        for lineno, raw in enumerate(f, 1):
-            where = f"{path}:{lineno}"
-            try:
-                text = raw.decode("utf-8")
-            except UnicodeDecodeError:
-                yield Skip("invalid_utf8", where)
-                continue
-            if not text.strip():
-                continue
-            try:
-                record = json.loads(text)
-            except json.JSONDecodeError as e:
-                yield Skip("malformed_json", where, e.msg)
-                continue
-            yield parse_record(record, f"{stem}:{lineno}", where, fmt, need_assistant)
+        try:
+            for lineno, raw in bounded_lines(f, limit):
+                item = _jsonl_record(path, stem, lineno, raw, fmt, need_assistant, limit)
+                if item is not None:  # a blank line
+                    yield item
+        except (OSError, EOFError) as e:  # a truncated or corrupt gzip stream
+            yield Skip("unreadable_file", str(path), f"{type(e).__name__}: {e}")
 
 
-def _read_json(path: Path, stem: str, fmt: str, need_assistant: bool) -> Iterator[Conversation | Skip]:
+def _jsonl_record(path: Path, stem: str, lineno: int, raw: bytes | None, fmt: str, need_assistant: bool,
+                  limit: int) -> Conversation | Skip | None:
+    where = f"{path}:{lineno}"
+    if raw is None:
+        return _too_large(where, f"longer than {limit:,} bytes", limit)
     try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return Skip("invalid_utf8", where)
+    if not text.strip():
+        return None
+    try:
+        record = json.loads(text)
+    except json.JSONDecodeError as e:
+        return Skip("malformed_json", where, e.msg)
+    except RecursionError:
+        return Skip("malformed_json", where, "nested too deeply")
+    return parse_record(record, f"{stem}:{lineno}", where, fmt, need_assistant)
+
+
+def _read_json(path: Path, stem: str, fmt: str, need_assistant: bool, limit: int) -> Iterator[Conversation | Skip]:
+    try:
+        size = path.stat().st_size
+        if size > MAX_JSON_MB * MB:
+            yield Skip("unreadable_file", str(path), f"a JSON document of {size / MB:,.0f} MB is read whole (at most "
+                                                     f"{MAX_JSON_MB} MB); write it as JSONL, one record per line")
+            return
         doc = json.loads(path.read_bytes().decode("utf-8"))
     except UnicodeDecodeError as e:
         yield Skip("invalid_utf8", f"{path}:byte {e.start}", "the file is not valid UTF-8")
         return
     except json.JSONDecodeError as e:
         yield Skip("unreadable_file", f"{path}:{e.lineno}", f"not valid JSON: {e.msg}")
+        return
+    except RecursionError:
+        yield Skip("unreadable_file", str(path), "not valid JSON: nested too deeply")
         return
     except OSError as e:
         yield Skip("unreadable_file", str(path), e.strerror or type(e).__name__)
@@ -167,25 +218,41 @@ def _read_json(path: Path, stem: str, fmt: str, need_assistant: bool) -> Iterato
         yield Skip("unreadable_file", str(path), "expected a list of records")
         return
     for i, record in enumerate(doc):
-        yield parse_record(record, f"{stem}:{i}", f"{path}:record {i}", fmt, need_assistant)
+        yield _checked(record, f"{stem}:{i}", f"{path}:record {i}", fmt, need_assistant, limit)
 
 
-def _read_parquet(path: Path, stem: str, fmt: str, need_assistant: bool) -> Iterator[Conversation | Skip]:
+def _checked(record: Any, default_id: str, where: str, fmt: str, need_assistant: bool,
+             limit: int) -> Conversation | Skip:
+    """parse_record for a record already in memory (a JSON document's entry, a dataset row), measured as
+    JSON first: one over the cap is skipped as it would be in a JSONL file, before it is tokenized."""
+    size = len(json.dumps(record, ensure_ascii=False, default=str).encode())
+    if size > limit:
+        return _too_large(where, f"{size:,} bytes", limit)
+    return parse_record(record, default_id, where, fmt, need_assistant)
+
+
+def _read_parquet(path: Path, stem: str, fmt: str, need_assistant: bool, limit: int) -> Iterator[Conversation | Skip]:
     import pyarrow.parquet as pq
 
     try:
         pf = pq.ParquetFile(path)
-    except Exception as e:  # noqa: BLE001 -- pyarrow raises several types for a bad file
-        yield Skip("unreadable_file", str(path), type(e).__name__)
-        return
-    i = 0
-    for batch in pf.iter_batches(batch_size=4096):
-        for record in batch.to_pylist():
-            yield parse_record(record, f"{stem}:{i}", f"{path}:row {i}", fmt, need_assistant)
-            i += 1
+        i = 0
+        # small batches: a batch is decoded whole before its rows can be measured
+        for batch in pf.iter_batches(batch_size=64):
+            for row in range(batch.num_rows):
+                where = f"{path}:row {i}"
+                one = batch.slice(row, 1)
+                if one.nbytes > limit:  # the bytes of this row's values in Arrow, before any Python object
+                    yield _too_large(where, f"{one.nbytes:,} bytes", limit)
+                else:
+                    yield parse_record(one.to_pylist()[0], f"{stem}:{i}", where, fmt, need_assistant)
+                i += 1
+    except Exception as e:  # noqa: BLE001 -- pyarrow raises several types for a bad or truncated file
+        first = str(e).strip().splitlines()[0][:160] if str(e).strip() else ""
+        yield Skip("unreadable_file", str(path), f"{type(e).__name__}: {first}" if first else type(e).__name__)
 
 
-def _read_hf(name: str, stem: str, fmt: str, need_assistant: bool) -> Iterator[Conversation | Skip]:
+def _read_hf(name: str, stem: str, fmt: str, need_assistant: bool, limit: int) -> Iterator[Conversation | Skip]:
     """A hub dataset name (`org/name`, optionally `org/name:split`) or a `save_to_disk` directory."""
     try:
         import datasets
@@ -203,7 +270,7 @@ def _read_hf(name: str, stem: str, fmt: str, need_assistant: bool) -> Iterator[C
         yield Skip("unreadable_file", name, f"{type(e).__name__}: {first}{hint}")
         return
     for i, record in enumerate(ds):
-        yield parse_record(record, f"{stem}:{i}", f"{name}:row {i}", fmt, need_assistant)
+        yield _checked(record, f"{stem}:{i}", f"{name}:row {i}", fmt, need_assistant, limit)
 
 
 # ---------------------------------------------------------------- one record
