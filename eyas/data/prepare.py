@@ -22,6 +22,7 @@ from eyas.config import RunConfig
 from eyas.data.readers import EDITS, REASONS, Conversation, Skip, read_sources
 from eyas.data.regenerate import answers, pending, read_results, repetition
 from eyas.data.template import ChatTemplate, ResponseRewritten, TemplateMismatch, stop_token_ids
+from eyas.ownership import claim
 
 CHUNK = 512  # conversations per batched tokenizer call
 # skip reasons of the tokenizing step, besides those of the readers
@@ -254,9 +255,13 @@ def _write_dataset(cols: dict, out: Path) -> None:
     datasets.disable_progress_bars()  # a bar for a write of a second or two is noise in the stage's log
     try:
         ds.save_to_disk(str(tmp))
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)  # a full disk leaves no half-written copy behind
+        raise
     finally:
         if was_on:
             datasets.enable_progress_bars()
+    # out is eyas's (prepare claimed it), so its dataset/ is eyas's own earlier output
     shutil.rmtree(final, ignore_errors=True)
     tmp.rename(final)
 
@@ -271,7 +276,7 @@ def prepare(cfg: RunConfig, out_dir: str | Path, target) -> dict:
 
     t0 = time.perf_counter()
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    claim(out, "prepare")  # a directory eyas did not make is refused before anything in it is removed
     (out / "prepare.json").unlink(missing_ok=True)  # the directory is incomplete until it is rewritten
     (out / "summary.json").unlink(missing_ok=True)
     tok = target.tokenizer

@@ -9,6 +9,7 @@ into place, so a reader never sees half an export.
 
 from __future__ import annotations
 
+import errno
 import shutil
 import tempfile
 from pathlib import Path
@@ -20,6 +21,7 @@ from eyas.formats.keys import EMBED, to_midlayer
 from eyas.formats.load import load_draft
 from eyas.identity import check_target
 from eyas.layers import to_sglang_ids
+from eyas.ownership import check_claimable, claim, read_marker
 
 SCHEMA_VERSION = 1
 
@@ -98,10 +100,7 @@ def _write_one(fmt: str, final: Path, state: dict, meta: dict, dtype: str) -> Pa
     from safetensors.torch import save_file
 
     dc, aux = meta["draft_config"], list(meta["aux_layers"])
-    final = final.resolve()
-    if final.exists() and any(final.iterdir()) and not (final / "eyas.json").is_file():
-        raise EyasError(f"{final} exists and is not an eyas export; it would be replaced: choose a new or empty "
-                        f"directory for --out")
+    final = check_claimable(final, "export").resolve()  # only an export eyas made is ever replaced
     out_dir = final.parent
     target = configs.serving_target(meta)
     if fmt == "sglang":
@@ -114,7 +113,9 @@ def _write_one(fmt: str, final: Path, state: dict, meta: dict, dtype: str) -> Pa
     out_dir.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{fmt}.", suffix=".tmp", dir=out_dir))
     tmp.chmod(0o755)  # mkdtemp makes it private; an export is meant to be read by a server
+    old = None
     try:
+        claim(tmp, "export", (read_marker(final) or {}).get("run_id"))
         save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         atomic_write_json(tmp / "config.json", cfg)
         atomic_write_json(tmp / "eyas.json", {
@@ -128,16 +129,20 @@ def _write_one(fmt: str, final: Path, state: dict, meta: dict, dtype: str) -> Pa
             "source": meta.get("path"), "weights_sha256": sha256_file(tmp / "model.safetensors"),
         })
         atomic_write_text(tmp / "README.md", configs.readme(fmt, str(final.resolve()), meta, written, dtype))
-        old = None
-        if final.exists():
-            old = out_dir / f".{final.name}.old"
-            shutil.rmtree(old, ignore_errors=True)
+        if final.exists():  # moved onto an empty directory of its own, then removed: never a name in use
+            old = Path(tempfile.mkdtemp(prefix=f".{final.name}.", suffix=".old", dir=out_dir))
             final.rename(old)
         tmp.rename(final)
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
-    except BaseException:
+    except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
+        if old is not None and not final.exists():  # the swap failed halfway: the committed export goes back
+            old.rename(final)
+        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+            kept = "the export there stays as it was" if final.exists() else "nothing was written"
+            raise EyasError(f"disk full while writing the {fmt} export {final}: free space on that device or "
+                            f"choose another --out, then export again; {kept}") from None
         raise
     return final
 
@@ -159,6 +164,8 @@ def export(run_or_ckpt: str | Path, out_dir: str | Path, formats=("sglang", "vll
     if embed_tokens and not meta["has_embed"]:
         _embed_from_store(draft, meta)
     state = _weights(draft, meta, dtype, embed_tokens)
+    if len(formats) > 1:
+        claim(out_dir, "export")  # the directory that holds one export per format is eyas's too
     paths = {}
     for fmt in formats:
         final = Path(out_dir) if len(formats) == 1 else Path(out_dir) / fmt

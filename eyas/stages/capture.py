@@ -22,6 +22,7 @@ import torch
 from eyas.common import EyasError, atomic_write_json, format_bytes, print0, progress, warn
 from eyas.data.prepared import Prepared, load_prepared_arrays
 from eyas.identity import check_target
+from eyas.ownership import writing
 from eyas.stages.capture_passes import BatchRunner
 from eyas.store.batching import auto_token_budget, plan_shards
 from eyas.store.codec import bytes_per_token, state_layout
@@ -49,18 +50,20 @@ class _Plan:
 
 
 def run(cfg, inputs: Inputs, out: str | Path, *, target=None) -> dict:
-    """Capture `inputs.prepared` into the store `out` (resuming what is committed there); returns the summary."""
+    """Capture `inputs.prepared` into the store `out` (resuming what is committed there); returns the summary.
+    Rank 0 holds the store's lock meanwhile (eyas.ownership): a second capture into it stops at once."""
     from eyas.target import load_target
 
     rank, world, local_rank, owned = _init_distributed()
     try:
-        prepared = load_prepared_arrays(inputs.prepared)
-        if target is None:
-            device = cfg.target.device
-            if world > 1 and device == "auto" and torch.cuda.is_available():
-                device = f"cuda:{local_rank}"
-            target = load_target(cfg.target.model, device=device, dtype=cfg.target.dtype)
-        return _capture(cfg, prepared, Path(out), target, rank, world)
+        with writing(out, "capture", lead=rank == 0) as store:
+            prepared = load_prepared_arrays(inputs.prepared)
+            if target is None:
+                device = cfg.target.device
+                if world > 1 and device == "auto" and torch.cuda.is_available():
+                    device = f"cuda:{local_rank}"
+                target = load_target(cfg.target.model, device=device, dtype=cfg.target.dtype)
+            return _capture(cfg, prepared, store, target, rank, world)
     finally:
         if owned:
             import torch.distributed as dist

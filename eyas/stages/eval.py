@@ -20,6 +20,7 @@ from typing import Callable
 
 from eyas.common import EyasError, atomic_write_json, print0, read_json
 from eyas.layout import eval_result_name
+from eyas.ownership import writing
 
 SUMMARY = "summary.json"
 # the figures of a benchmark summary that summary.json repeats per result
@@ -35,12 +36,22 @@ class Inputs:
 
 def run(cfg, inputs: Inputs, out: str | Path, *, target=None, settings: list | None = None,
         result_path: Callable[[str, str], Path] | None = None, hf: bool | None = None,
-        require_compile: bool = False) -> dict:
+        require_compile: bool = False, own_out: bool | None = None) -> dict:
     """Every benchmark of cfg.eval with every setting (default: cfg.eval.steps and cfg.eval.tree) ->
     OUT/<bench>-<setting>.json|.png (or where `result_path(bench, setting)` says) and summary.json beside
     them; -> {bench: {setting: summary}}. `target`: an already loaded target, else cfg.target.model.
     `require_compile`: eval.compile_draft was asked for explicitly, so a device that cannot honour it is an
-    error rather than a warning."""
+    error rather than a warning. `own_out` (default: without `result_path`): `out` is the results' own
+    directory, claimed and locked for the stage (eyas.ownership); else it is the user's (the directory of one
+    result file) and left as it is."""
+    own_out = result_path is None if own_out is None else own_out
+    if own_out:
+        with writing(out, "eval") as out:
+            return _run(cfg, inputs, out, target, settings, result_path, hf, require_compile)
+    return _run(cfg, inputs, out, target, settings, result_path, hf, require_compile)
+
+
+def _run(cfg, inputs: Inputs, out: str | Path, target, settings, result_path, hf, require_compile) -> dict:
     from eyas.speculative.bench import settings_of
     from eyas.speculative.build import build_engine
 

@@ -6,6 +6,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from eyas.ownership import writing
+
 
 @dataclass(frozen=True)
 class Inputs:
@@ -20,6 +22,7 @@ def run(cfg, inputs: Inputs, out: str | Path) -> dict:
 
     t0 = time.perf_counter()
     ec = cfg.export
-    paths = export(inputs.draft, out, ec.formats, dtype=ec.dtype, embed_tokens=ec.embed_tokens)
+    with writing(out, "export") as out:
+        paths = export(inputs.draft, out, ec.formats, dtype=ec.dtype, embed_tokens=ec.embed_tokens)
     return {"stage": "export", "wall_s": round(time.perf_counter() - t0, 3), "dtype": ec.dtype,
             "formats": {fmt: str(path) for fmt, path in paths.items()}}

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from eyas.common import atomic_write_json
+from eyas.ownership import writing
 
 
 @dataclass(frozen=True)
@@ -18,18 +19,20 @@ class Inputs:
 
 
 def run(cfg, inputs: Inputs, out: str | Path, *, target=None) -> dict:
-    """Prepare into `out`; returns prepare.json's content and writes OUT/summary.json (`stage_summary`)."""
+    """Prepare into `out`; returns prepare.json's content and writes OUT/summary.json (`stage_summary`).
+    The directory's lock is held meanwhile (eyas.ownership): a second prepare into it stops at once."""
     from eyas.data import prepare
 
     t0 = time.perf_counter()
-    if target is None:
-        from eyas.target import load_target
+    with writing(out, "prepare") as out:
+        if target is None:
+            from eyas.target import load_target
 
-        target = load_target(cfg.target.model, device=cfg.target.device, dtype=cfg.target.dtype)
-    load_s = time.perf_counter() - t0
-    cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, data=list(inputs.data)))
-    summary = prepare(cfg, out, target)
-    atomic_write_json(Path(out) / "summary.json", stage_summary(summary, time.perf_counter() - t0, load_s))
+            target = load_target(cfg.target.model, device=cfg.target.device, dtype=cfg.target.dtype)
+        load_s = time.perf_counter() - t0
+        cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, data=list(inputs.data)))
+        summary = prepare(cfg, out, target)
+        atomic_write_json(out / "summary.json", stage_summary(summary, time.perf_counter() - t0, load_s))
     return summary
 
 

@@ -14,8 +14,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from eyas.common import EyasError, print0, world_size
+from eyas.common import EyasError, print0, rank, world_size
 from eyas.identity import check_target, target_name
+from eyas.ownership import writing
 
 
 @dataclass(frozen=True)
@@ -37,15 +38,17 @@ def run(cfg, inputs: Inputs, out: str | Path, *, resume: bool = False, device: s
         target=None) -> dict:
     """Train into `out` (checkpoints, metrics, curves, summary.json); returns the summary. `device`: where the
     draft trains (default auto; online, the target's device, cfg.target.device). `target` (online only): an
-    already loaded target, else cfg.target.model is loaded."""
+    already loaded target, else cfg.target.model is loaded. Rank 0 holds `out`'s lock meanwhile
+    (eyas.ownership): a second training into it stops at once."""
     from eyas.train import train
 
     _check_init_from(cfg, inputs, out)
-    if inputs.store is not None:
-        source, device = store_training_source(cfg, inputs), device or "auto"
-    else:
-        source, device = online_training_source(cfg, inputs, device or cfg.target.device, target)
-    return train(cfg, out, source, resume=resume, device=device)
+    with writing(out, "train", lead=rank() == 0) as out:
+        if inputs.store is not None:
+            source, device = store_training_source(cfg, inputs), device or "auto"
+        else:
+            source, device = online_training_source(cfg, inputs, device or cfg.target.device, target)
+        return train(cfg, out, source, resume=resume, device=device)
 
 
 def _check_init_from(cfg, inputs: Inputs, out: str | Path) -> None:

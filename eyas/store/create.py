@@ -6,12 +6,14 @@ vocab_size, dtype, embed_tokens, lm_head): the store package never imports the t
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import tempfile
 from pathlib import Path
 
-from eyas.common import EyasError
+from eyas.common import EyasError, format_bytes
+from eyas.ownership import claim
 from eyas.store.batching import plan_fingerprint
 from eyas.store.codec import parts
 from eyas.store.manifest import HEAD_FILE, MANIFEST, RESUME_KEYS, SCHEMA_VERSION
@@ -70,9 +72,11 @@ def _check_writable(store: Path) -> None:
 
 
 def open_store(store: Path, fresh: dict, target) -> dict:
-    """Create a store or reopen one for resuming (rank 0 only). Returns the manifest to extend."""
+    """Create a store or reopen one for resuming (rank 0 only). Returns the manifest to extend. A directory
+    eyas did not make as a store is refused before anything in it is touched (eyas.ownership)."""
+    claim(store, "capture")
     _check_writable(store)
-    for leftover in store.glob(".*.tmp"):
+    for leftover in store.glob(".*.tmp"):  # the store is eyas's: these are its own writes cut short
         leftover.unlink(missing_ok=True)
     if (store / MANIFEST).is_file():
         manifest = read_manifest(store)
@@ -94,12 +98,28 @@ def open_store(store: Path, fresh: dict, target) -> dict:
                         f"choose an empty or new --out")
     head = {"embed_tokens.weight": target.embed_tokens.weight.detach().cpu().clone(),  # [V, H]
             "lm_head.weight": target.lm_head.weight.detach().cpu().clone()}  # [V, H]
-    tmp = store / f".{HEAD_FILE}.tmp"
-    sha256 = write_shard_file(tmp, head, {"target": json.dumps(target.identity)})
-    os.replace(tmp, store / HEAD_FILE)
-    fresh["target_head"] = {"file": HEAD_FILE, "sha256": sha256}
+    fresh["target_head"] = {"file": HEAD_FILE, "sha256": _write_head(store, head, target.identity)}
     write_manifest(store, fresh)
     return fresh
+
+
+def _write_head(store: Path, head: dict, identity: dict) -> str:
+    """target_head.safetensors, atomically: a failed write leaves no temporary file and no head. -> its sha256."""
+    final, tmp = store / HEAD_FILE, store / f".{HEAD_FILE}.tmp"
+    try:
+        sha256 = write_shard_file(tmp, head, {"target": json.dumps(identity)})
+        os.replace(tmp, final)
+    except BaseException as e:
+        tmp.unlink(missing_ok=True)
+        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+            need = sum(t.numel() * t.element_size() for t in head.values())
+            raise EyasError(f"disk full while writing {final} (it needs about {format_bytes(need)}): free space "
+                            f"on that device or choose another --out, then rerun the same command") from None
+        if isinstance(e, OSError):
+            raise EyasError(f"writing {final} failed ({e.strerror or e}); make the directory writable or choose "
+                            f"another --out, then rerun the same command") from None
+        raise
+    return sha256
 
 
 def finish_store(store: Path) -> dict:
