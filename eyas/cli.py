@@ -84,7 +84,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.parse_args(argv)  # prints help/version or the "invalid choice" error and exits
         return 2
     mod = _load(command)
-    args = build_parser(only=command).parse_args(argv)
+    try:
+        args = build_parser(only=command).parse_args(argv)
+    except SystemExit as e:  # --help, or a bad option (printed): a caller in this process gets the status
+        return e.code if isinstance(e.code, int) else 2
     if getattr(args, "debug", False):
         os.environ["EYAS_DEBUG"] = "1"  # the stage commands `eyas run` starts inherit it
     try:
@@ -114,8 +117,17 @@ def describe(e: Exception, command: str) -> str:
         where = "GPU" if type(e).__name__ == "OutOfMemoryError" else "host"
         return (f"out of {where} memory ({_first_line(e)}); give the process more memory or make the work "
                 f"smaller (train.batch_tokens, data.max_length, capture.token_budget, data.regen_batch_size)")
-    return (f"unexpected {_first_line(e)}; this is a bug in eyas: please report it with the traceback, "
-            f"{_save_traceback(e, command)}")
+    if _damaged_file(e):
+        return (f"a data file could not be read ({_first_line(e)}): it is empty, truncated or not in the format its "
+                f"name says; make it again or copy it again (which file: {_traceback_note(e, command)})")
+    return (f"unexpected {_first_line(e)}; this is a bug in eyas: please report it with its traceback "
+            f"({_traceback_note(e, command)})")
+
+
+def _damaged_file(e: Exception) -> bool:
+    """An error of the Arrow or safetensors readers: a damaged file, far more often than a bug."""
+    module = type(e).__module__ or ""
+    return module.startswith(("pyarrow", "safetensors"))
 
 
 def _os_error(e: OSError) -> str:
@@ -130,6 +142,8 @@ def _os_error(e: OSError) -> str:
         return f"{name}: permission denied; choose a path this user may write and read"
     if isinstance(e, NotADirectoryError):
         return f"{name}: a path in it is a file where a directory is expected; choose another path"
+    if isinstance(e, FileExistsError):
+        return f"{name}: exists already and is in the way (a file where a directory is made?); choose another path"
     if isinstance(e, IsADirectoryError):
         return f"{name}: is a directory where a file is expected; choose another path"
     return f"{name}: {e.strerror or type(e).__name__}"
@@ -140,8 +154,9 @@ def _first_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {text.splitlines()[0][:300]}" if text else type(e).__name__
 
 
-def _save_traceback(e: BaseException, command: str) -> str:
-    """Write the traceback to a file and say where (or, if that fails, how to see it)."""
+def _traceback_note(e: BaseException, command: str) -> str:
+    """Where the traceback was written (the last lines of a long stage's log would otherwise be all that is
+    left of it), or how to see it."""
     text = "".join(traceback.format_exception(e))
     try:
         fd, path = tempfile.mkstemp(prefix=f"eyas-{command}-{time.strftime('%Y%m%d-%H%M%S')}-",
@@ -149,8 +164,5 @@ def _save_traceback(e: BaseException, command: str) -> str:
         with os.fdopen(fd, "w") as f:
             f.write(text)
     except OSError:
-        return "which `eyas --debug` shows"
-    return f"which is in {path} (or rerun with --debug)"
-
-if __name__ == "__main__":
-    sys.exit(main())
+        return "rerun with --debug for the traceback"
+    return f"traceback in {path}, or rerun with --debug"

@@ -81,9 +81,11 @@ def _settings(args, cfg) -> list[tuple[str, dict]]:
 
 def main(args) -> int:
     from eyas.common import EyasError
+    from eyas.data.benchmarks import check_benches
     from eyas.stages import eval as stage
 
     cfg = _config(args)
+    check_benches(cfg.eval.benches, cfg.data.max_record_mb)  # before the target and the draft are loaded
     settings = _settings(args, cfg)
     out = Path(args.out)
     if out.suffix != ".json" or out.name == stage.SUMMARY:

@@ -68,7 +68,7 @@ def main(args) -> int:
     cfg = load_config(source, args.overrides)
     from eyas.data.benchmarks import check_benches
 
-    check_benches(cfg.eval.benches)  # the eval stage comes last: find a missing benchmark before the first
+    check_benches(cfg.eval.benches, cfg.data.max_record_mb)  # the eval stage comes last: find a missing benchmark before the first
     opts = RunOptions(gpus=_devices(args.gpus),
                       wait_for_gpus=args.wait_for_gpus, overlap=not args.no_overlap,
                       stage_timeout=args.stage_timeout, grace_s=args.grace,

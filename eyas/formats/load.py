@@ -12,7 +12,6 @@ Aux layer ids in `meta` are always in the Hugging Face `output_hidden_states` co
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from eyas.common import EyasError, read_json
@@ -43,19 +42,46 @@ def resolve_draft_dir(path: str | Path) -> Path:
     return p
 
 
-def _read_weights(d: Path) -> dict:
-    import torch
-    from safetensors.torch import load_file
-
+def _weights_file(d: Path) -> Path:
     if (d / "model.safetensors").is_file():
-        return load_file(d / "model.safetensors")
+        return d / "model.safetensors"
     if (d / "pytorch_model.bin").is_file():
-        return torch.load(d / "pytorch_model.bin", map_location="cpu", weights_only=True)
+        return d / "pytorch_model.bin"
     files = sorted(d.glob("*.safetensors"))
     if len(files) == 1:
-        return load_file(files[0])
+        return files[0]
     raise EyasError(f"{d}: expected one weights file (model.safetensors or pytorch_model.bin), found "
                     f"{[f.name for f in files] or 'none'}")
+
+
+def _read_weights(d: Path) -> tuple[Path, dict]:
+    """(the weights file, its tensors); a truncated or corrupt file, or one holding a value that is not finite,
+    is an EyasError naming the file (and the tensor)."""
+    import pickle
+
+    import torch
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    path = _weights_file(d)
+    try:
+        if path.suffix == ".bin":
+            state = torch.load(path, map_location="cpu", weights_only=True)
+        else:
+            state = load_file(path)
+    except (SafetensorError, pickle.UnpicklingError, EOFError, RuntimeError, ValueError) as e:
+        first = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
+        raise EyasError(f"{path}: not a readable weights file ({first}); it is truncated or corrupt: copy it "
+                        f"again, or use another checkpoint (step-*) or export") from None
+    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+        raise EyasError(f"{path}: does not hold a mapping of names to tensors; not a draft's weights")
+    for name, value in state.items():
+        if value.is_floating_point() and not bool(torch.isfinite(value).all()):
+            bad = int((~torch.isfinite(value)).sum())
+            raise EyasError(f"{path}: tensor {name} holds {bad:,} value(s) that are NaN or infinite; the draft is "
+                            f"broken (training diverged or the file was damaged): use an earlier checkpoint "
+                            f"(step-*) or train again")
+    return path, state
 
 
 def _num_aux(state: dict, hidden: int, source: str) -> int:
@@ -90,8 +116,20 @@ def _target_facts(dj: dict) -> dict:
     return facts
 
 
+def _read_doc(path: Path) -> dict:
+    """A JSON object from a draft's directory, or an EyasError naming the file."""
+    try:
+        doc = read_json(path)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise EyasError(f"{path}: not valid JSON ({e}); the draft is damaged: copy it again or use another "
+                        f"checkpoint") from None
+    if not isinstance(doc, dict):
+        raise EyasError(f"{path}: expected a JSON object; the draft is damaged or not eyas's")
+    return doc
+
+
 def _meta_from_checkpoint(d: Path) -> tuple[dict, dict]:
-    dj = read_json(d / "draft.json")
+    dj = _read_doc(d / "draft.json")
     if "draft_config" not in dj:
         raise EyasError(f"{d / 'draft.json'}: no draft_config; the checkpoint is incomplete or not eyas's")
     facts = _target_facts(dj)
@@ -179,7 +217,7 @@ def _meta_from_export(d: Path, cfg: dict, state: dict, weight_names: list[str]) 
             "target_architectures": archs, "target_name_or_path": None, "store": None}
     side = d / "eyas.json"  # written by eyas's exporter next to config.json: the exact draft config and target
     if side.is_file():
-        ej = read_json(side)
+        ej = _read_doc(side)
         _check_eyas_export(d, cfg, ej, weight_names)
         if meta["aux_layers"] is not None and list(ej.get("aux_layers") or []) != meta["aux_layers"]:
             raise EyasError(f"{d}: config.json names aux layers {meta['aux_layers']} (HF convention) but eyas.json "
@@ -191,6 +229,11 @@ def _meta_from_export(d: Path, cfg: dict, state: dict, weight_names: list[str]) 
                     target_architectures=ej.get("target_architectures", archs),
                     target_name_or_path=ej.get("target_name_or_path"))
     return draft_cfg, meta
+
+
+def _made_for(meta: dict) -> str:
+    name = (meta.get("target") or {}).get("name") or meta.get("target_model") or meta.get("target_name_or_path")
+    return f"made for {name!r}" if name else "its files do not name it"
 
 
 def load_draft(path: str | Path, embed_tokens=None):
@@ -206,7 +249,7 @@ def load_draft(path: str | Path, embed_tokens=None):
     from eyas.draft import DraftConfig, Eagle3Draft
 
     d = resolve_draft_dir(path)
-    raw = _read_weights(d)
+    _, raw = _read_weights(d)
     try:
         state = from_foreign(raw, str(d))
     except ValueError as e:
@@ -214,10 +257,7 @@ def load_draft(path: str | Path, embed_tokens=None):
     if (d / "draft.json").is_file():
         draft_cfg, meta = _meta_from_checkpoint(d)
     else:
-        try:
-            cfg = json.loads((d / "config.json").read_text())
-        except ValueError as e:
-            raise EyasError(f"{d / 'config.json'}: not valid JSON ({e})") from None
+        cfg = _read_doc(d / "config.json")
         draft_cfg, meta = _meta_from_export(d, cfg, state, list(raw))
     try:
         dc = DraftConfig.from_dict(draft_cfg)
@@ -232,6 +272,11 @@ def load_draft(path: str | Path, embed_tokens=None):
     has_embed = EMBED in state
     if not has_embed:
         if embed_tokens is not None:
+            if tuple(embed_tokens.shape) != tuple(expected[EMBED].shape):
+                raise EyasError(f"{d}: the draft is built for a target embedding of shape "
+                                f"{list(expected[EMBED].shape)} (vocabulary, hidden size), the target's is "
+                                f"{list(embed_tokens.shape)}: it was trained for another target "
+                                f"({_made_for(meta)}); use the draft's own target")
             state[EMBED] = embed_tokens.detach()
         else:
             state[EMBED] = torch.full_like(expected[EMBED], float("nan"))

@@ -125,27 +125,32 @@ def _finish(model, tokenizer, name: str, path: str | None, device, dtype) -> Tar
     return Target(model=model, tokenizer=tokenizer, name=name, path=path, identity=identity)
 
 
-def load_target(spec: str = "smollm2", *, device: str = "auto", dtype: str = "auto") -> Target:
-    """Load a target from a spec (see module doc). Errors are EyasError with the fix in one line."""
+def load_target(spec: str = "smollm2", *, device: str = "auto", dtype: str = "auto",
+                trust_remote_code: bool = False) -> Target:
+    """Load a target from a spec (see module doc). Errors are EyasError with the fix in one line.
+
+    `trust_remote_code` (target.trust_remote_code) lets transformers run Python code shipped with the model;
+    without it such a model is refused with an error naming the option, never a question on the terminal."""
     dev = choose_device(device)
     dt = choose_dtype(dtype, dev)
     name = target_name(spec)
+    remote = bool(trust_remote_code)
     if spec in TINY_KINDS:
         return _finish(make_tiny_model(spec), make_tiny_tokenizer(), name, None, dev, dt)
     if spec == "smollm2":
-        return _load_hf_dir(converted_gguf_dir(smollm2_gguf_path()), name, dev, dt)
+        return _load_hf_dir(converted_gguf_dir(smollm2_gguf_path()), name, dev, dt, False)
     path = Path(spec).expanduser()
     if spec.endswith(".gguf"):
         if not path.is_file():
             raise EyasError(f"GGUF file {spec} does not exist")
-        return _load_hf_dir(converted_gguf_dir(path), name, dev, dt)
+        return _load_hf_dir(converted_gguf_dir(path), name, dev, dt, False)
     if path.is_dir():
         if not (path / "config.json").is_file():
             raise EyasError(f"{spec} is a directory without config.json; point at a Hugging Face model directory")
-        return _load_hf_dir(path, name, dev, dt)
+        return _load_hf_dir(path, name, dev, dt, remote)
     if path.exists() or spec.startswith((".", "/", "~")):
         raise EyasError(f"target {spec!r} is neither a model directory, a .gguf file, 'smollm2' nor a hub id")
-    return _load_hub(spec, dev, dt)
+    return _load_hub(spec, dev, dt, remote)
 
 
 def _first_line(e: BaseException) -> str:
@@ -158,26 +163,37 @@ GGUF_HINT = ("the GGUF must hold a causal LM of an architecture transformers can
              "(llama, mistral, qwen2, ...)")
 
 
-def _from_pretrained(path, what: str, dtype, hint: str = HF_DIR_HINT, **kwargs):
-    """(tokenizer, model) from a directory; a failure is one line naming `what` and the reason."""
+REMOTE_CODE_FIX = "--set target.trust_remote_code=true"
+
+
+def _from_pretrained(path, what: str, dtype, hint: str = HF_DIR_HINT, *, trust_remote_code: bool = False, **kwargs):
+    """(tokenizer, model) from a directory; a failure is one line naming `what` and the reason.
+
+    trust_remote_code is always passed, False unless asked for: given False, transformers refuses a model that
+    ships its own code instead of asking on the terminal (which would stall a batch job)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     try:
-        tokenizer = AutoTokenizer.from_pretrained(path, **kwargs)
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kwargs)
+        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code, **kwargs)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=trust_remote_code, **kwargs)
     except (OSError, ValueError, KeyError, TypeError, ImportError, AttributeError) as e:
+        if not trust_remote_code and "trust_remote_code" in str(e):
+            raise EyasError(f"cannot load {what}: the model ships Python code of its own (auto_map in its "
+                            f"config.json), which eyas does not run unless told to; read that code, and if you "
+                            f"trust it pass {REMOTE_CODE_FIX}") from None
         # transformers reports a missing file, a bad config.json, an unknown model_type or a missing
         # tokenizer backend with these types; the first line of its message says which
         raise EyasError(f"cannot load {what} ({_first_line(e)}); {hint}") from None
     return tokenizer, model
 
 
-def _load_hf_dir(path: Path, name: str, device, dtype) -> Target:
-    tokenizer, model = _from_pretrained(path, f"the target from {path}", dtype, attn_implementation="sdpa")
+def _load_hf_dir(path: Path, name: str, device, dtype, trust_remote_code: bool) -> Target:
+    tokenizer, model = _from_pretrained(path, f"the target from {path}", dtype, attn_implementation="sdpa",
+                                        trust_remote_code=trust_remote_code)
     return _finish(model, tokenizer, name, str(path), device, dtype)
 
 
-def _load_hub(repo_id: str, device, dtype) -> Target:
+def _load_hub(repo_id: str, device, dtype, trust_remote_code: bool) -> Target:
     """Download (or reuse the hub cache) and load; offline gives one line naming the fix."""
     if repo_id.count("/") > 1 or " " in repo_id:
         raise EyasError(f"{repo_id!r} is not a local path and not a valid hub id (expected 'org/name')")
@@ -194,7 +210,7 @@ def _load_hub(repo_id: str, device, dtype) -> Target:
             f"(for example --target /models/{repo_id.split('/')[-1]})"
         ) from None
     tokenizer, model = _from_pretrained(local, f"hub model {repo_id!r} (downloaded to {local})", dtype,
-                                        attn_implementation="sdpa")
+                                        attn_implementation="sdpa", trust_remote_code=trust_remote_code)
     return _finish(model, tokenizer, repo_id, local, device, dtype)
 
 
