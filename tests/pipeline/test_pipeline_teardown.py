@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from eyas.gpu.procs import proc_info, start_time
+from eyas.ownership import claim
 
 HERE = Path(__file__).resolve().parent
 RUNNER = str(HERE / "pipeline_fakes.py")
@@ -116,7 +117,7 @@ def test_a_reused_pid_is_left_alone(tmp_path):
     gone.wait()  # a pid that no longer runs; the decoy's group id with a token it does not carry
     try:
         run = tmp_path / "run"
-        run.mkdir()
+        claim(run, "run")  # a run directory whose runner was killed
         fake = {"stage": "work", "pgid": decoy.pid, "token": "0123456789abcdef", "devices": [], "ended": False}
         records = [dict(fake, pid=decoy.pid, start_ticks=start_time(decoy.pid) + 7),
                    dict(fake, pid=gone.pid, start_ticks=1)]
