@@ -48,6 +48,9 @@ def run(cfg, inputs: Inputs, out: str | Path, *, target=None, settings: list | N
     if own_out:
         with writing(out, "eval") as out:
             return _run(cfg, inputs, out, target, settings, result_path, hf, require_compile)
+    if Path(out).exists() and not Path(out).is_dir():
+        raise EyasError(f"{out} is an existing file, not a directory: the results cannot go there; choose another "
+                        f"--out")
     return _run(cfg, inputs, out, target, settings, result_path, hf, require_compile)
 
 
