@@ -7,7 +7,8 @@ target's final norm applied to id n, so it equals HF's `hidden_states[n]`, the l
 only between the engine's write and this read: at most one call's prompts are on disk at a time.
 
 A prompt the engine refuses (as long as or longer than its max_model_len) is returned in `refused` with
-the reason, never dropped silently.
+the reason, never dropped silently. Called like `FeatureCapture` (padded `[B, L]` ids and mask), a refused
+prompt is an EyasError naming it.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ import os
 from dataclasses import dataclass, field
 
 import torch
+
+from eyas.common import EyasError
 
 
 @dataclass
@@ -42,11 +45,32 @@ def read_states(path: str) -> torch.Tensor:
 
 class VllmFeatures:
     """`capture(list of token-id lists) -> Captured` through `engine` (an ExtractionEngine); `norm` is the
-    target's final norm (a module or any callable [T, H] -> [T, H])."""
+    target's final norm (a module or any callable [T, H] -> [T, H]). Also `FeatureCapture`'s call and
+    attributes (`target`: the loaded target whose identity, head and norm the store records)."""
 
-    def __init__(self, engine, norm):
-        self.engine, self.norm = engine, norm
+    def __init__(self, engine, norm, target=None):
+        self.engine, self.norm, self.target = engine, norm, target
         self.aux_layers = list(engine.aux_layers)
+
+    def __call__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None):
+        """`(input_ids [B,L], attention_mask [B,L]) -> (aux_hidden [B,L,A*H], final_hidden [B,L,H])`, right
+        padding as `FeatureCapture` takes it; padded positions hold zeros."""
+        if attention_mask is None:
+            attention_mask = torch.ones_like(input_ids)
+        lengths = attention_mask.sum(1).tolist()
+        assert all(bool(attention_mask[b, :n].all()) for b, n in enumerate(lengths)), "expected right padding"
+        got = self.capture([input_ids[b, :n].tolist() for b, n in enumerate(lengths)])
+        if got.refused:
+            i, reason = next(iter(got.refused.items()))
+            raise EyasError(f"the vLLM engine refused {len(got.refused)} of {len(lengths)} prompts (prompt {i}: "
+                            f"{reason}); raise target.engine.max_model_len or lower data.max_length")
+        (aux0, final0) = got.states[0]
+        batch, longest = input_ids.shape
+        aux = aux0.new_zeros(batch, longest, aux0.shape[-1])  # [B, L, A*H]
+        final = final0.new_zeros(batch, longest, final0.shape[-1])  # [B, L, H]
+        for b, n in enumerate(lengths):
+            aux[b, :n], final[b, :n] = got.states[b]
+        return aux, final
 
     @property
     def num_aux(self) -> int:
@@ -99,3 +123,35 @@ class VllmFeatures:
         last = states[:, -1]  # [T, H], before the final norm
         dtype = next(self.norm.parameters()).dtype if isinstance(self.norm, torch.nn.Module) else last.dtype
         return aux, self.norm(last.to(dtype)).to(states.dtype)  # [T, A*H], [T, H]
+
+
+def model_dir(target) -> str:
+    """What vLLM loads for a loaded eyas target: the HF directory it was read from (a GGUF's cached conversion
+    included), its hub id, or, for a target built in code, a copy saved into eyas's cache."""
+    if target.path is not None:
+        return str(target.path)
+    from eyas.common import cache_dir
+
+    out = cache_dir() / "vllm-models" / f"{target.name}-{target.identity['config_hash']}"
+    if not (out / "config.json").is_file():
+        tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
+        target.model.save_pretrained(tmp)
+        target.tokenizer.save_pretrained(tmp)
+        os.replace(tmp, out)
+    return str(out)
+
+
+def start_features(target, aux_layers: list[int] | None, *, dtype: str = "auto", engine: dict | None = None,
+                   states_dir=None) -> VllmFeatures:
+    """A vLLM engine for `target` asked for `aux_layers` (HF ids; None: the EAGLE-3 default) and n, as a
+    `VllmFeatures`; `features.engine.close()` shuts the engine down."""
+    from eyas.layers import resolve_aux_layers
+    from eyas.target.vllm.engine import ExtractionEngine, require_vllm
+
+    require_vllm()
+    ids = resolve_aux_layers(aux_layers, target.num_layers)
+    if dtype == "auto":  # the engine computes in the dtype the loaded target has (the store records it)
+        dtype = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[target.dtype]
+    engine = ExtractionEngine(model_dir(target), ids, target.num_layers, dtype=dtype, engine=engine,
+                              states_dir=states_dir)
+    return VllmFeatures(engine, target.norm, target)

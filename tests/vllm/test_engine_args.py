@@ -1,0 +1,66 @@
+"""The extraction engine's arguments and checks, without starting an engine (runs without vLLM too)."""
+
+import builtins
+import importlib.util
+
+import pytest
+
+from eyas.common import EyasError
+from eyas.target.vllm.engine import engine_kwargs, engine_layer_ids, require_vllm
+
+
+def test_layer_ids_are_hf_ids_plus_the_last_layer():
+    assert engine_layer_ids([2, 15, 27], 30) == [2, 15, 27, 30]
+    for bad in ([0, 2], [2, 31], []):
+        with pytest.raises(EyasError, match=r"must lie in 1\.\.30"):
+            engine_layer_ids(bad, 30)
+    with pytest.raises(EyasError, match="final_hidden"):
+        engine_layer_ids([2, 30], 30)
+
+
+def test_kwargs_pass_the_users_engine_through_and_add_extraction():
+    user = {"tensor_parallel_size": 8, "pipeline_parallel_size": 2, "gpu_memory_utilization": 0.9,
+            "max_model_len": 4096, "quantization": "fp8", "enable_expert_parallel": True}
+    kw = engine_kwargs("/models/kimi", [2, 30, 58, 61], "/tmp/states", "bf16", dict(user))
+    assert {k: kw[k] for k in user} == user
+    assert kw["model"] == "/models/kimi" and kw["dtype"] == "bfloat16"
+    assert kw["enable_chunked_prefill"] is False and kw["enable_prefix_caching"] is False
+    spec = kw["speculative_config"]
+    assert spec["method"] == "extract_hidden_states" and spec["num_speculative_tokens"] == 1
+    assert spec["draft_model_config"]["hf_config"]["eagle_aux_hidden_state_layer_ids"] == [2, 30, 58, 61]
+    kv = kw["kv_transfer_config"]
+    assert kv["kv_connector_module_path"] == "eyas.target.vllm.connector"
+    assert kv["kv_connector_extra_config"]["shared_storage_path"] == "/tmp/states"
+    assert engine_kwargs("m", [1, 4], "s", "auto", {"dtype": "half"})["dtype"] == "half"  # the user's wins
+
+
+@pytest.mark.parametrize("engine, match", [({"enable_chunked_prefill": True}, "enable_chunked_prefill"),
+                                           ({"enable_prefix_caching": True}, "enable_prefix_caching"),
+                                           ({"speculative_config": {}}, "speculative_config is set by eyas")])
+def test_kwargs_refuse_what_extraction_cannot_run_with(engine, match):
+    with pytest.raises(EyasError, match=match):
+        engine_kwargs("m", [1, 4], "s", "fp32", engine)
+
+
+def test_missing_vllm_is_one_line_with_the_install_command(monkeypatch):
+    real_import = builtins.__import__
+
+    def no_vllm(name, *args, **kwargs):
+        if name == "vllm" or name.startswith("vllm."):
+            raise ImportError("No module named 'vllm'")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_vllm)
+    with pytest.raises(EyasError, match="pip install") as e:
+        require_vllm()
+    assert "\n" not in str(e.value)
+
+
+def test_vllm_without_extraction_is_refused(monkeypatch):
+    pytest.importorskip("vllm")
+    real_find = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name.endswith("extract_hidden_states") else real_find(name, *a))
+    with pytest.raises(EyasError, match="cannot extract hidden states.*pip install") as e:
+        require_vllm()
+    assert "\n" not in str(e.value)
