@@ -4,8 +4,8 @@ Only committed shards are visible (those a manifest names), so a reader may run 
 is still writing; `tail()` yields each newly committed shard's samples until the manifest says the
 capture is complete.
 
-With `check_sha256` (training), every committed shard's sha256 is computed against the manifest's by a
-background thread, in commit order, as soon as the reader sees the shard. A sample is read only from a
+With `check_sha256` (training), every committed shard's sha256 is computed against the manifest's by
+background threads (half the CPU cores, at most 4), in commit order, as soon as the reader sees the shard. A sample is read only from a
 shard whose hash matched: a read that reaches a shard first hashes it in the reading thread (or waits for
 the background thread already at it), so the data position never decides what was checked. Any mismatch,
 found by either, fails the next read with an error that names the shard.
@@ -16,6 +16,7 @@ from __future__ import annotations
 import bisect
 import hashlib
 import json
+import os
 import queue
 import threading
 import time
@@ -45,7 +46,10 @@ class _Shard:
 
 
 class ShardChecksums:
-    """The sha256 of each shard, checked once, off the reading path where possible (see the module docstring)."""
+    """The sha256 of each shard, checked once, off the reading path where possible (see the module docstring).
+
+    A big store takes a while (sha256 runs at about 1 GB/s per thread): the first batches, which draw samples from many
+    shards, may wait for some; they are read while the draft is being set up (and compiled)."""
 
     CHUNK = 8 << 20  # hashlib releases the GIL on big blocks: reading threads keep running meanwhile
 
@@ -58,15 +62,18 @@ class ShardChecksums:
         self._checked: set[int] = set()
         self.failure: str | None = None
         self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._threads: list[threading.Thread] = []
 
     def add(self, pos: int, path: Path, sha256: str | None) -> None:
         """Queue shard `pos` (its file and the manifest's sha256) for the background thread."""
         with self._guard:
             self._wanted[pos], self._locks[pos] = (path, sha256), threading.Lock()
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="eyas-store-sha256", daemon=True)
-                self._thread.start()
+            if not self._threads:
+                workers = max(1, min(4, (os.cpu_count() or 2) // 2))
+                self._threads = [threading.Thread(target=self._run, name="eyas-store-sha256", daemon=True)
+                                 for _ in range(workers)]
+                for thread in self._threads:
+                    thread.start()
         self._todo.put(pos)
 
     def _run(self) -> None:
@@ -105,8 +112,8 @@ class ShardChecksums:
 
     def close(self) -> None:
         self._stop.set()
-        if self._thread is not None:
-            self._thread.join(5.0)
+        for thread in self._threads:
+            thread.join(5.0)
 
 
 class StoreReader:
