@@ -9,6 +9,7 @@ from safetensors.torch import load_file, save_file
 from eyas.common import EyasError
 from eyas.formats import export, load_draft
 from eyas.formats.keys import to_midlayer
+from eyas.ownership import MARKER
 
 FORMATS = ("sglang", "vllm", "speculators")
 
@@ -140,7 +141,7 @@ def test_cli_all_formats(make_run, tmp_path):
     run, _ = make_run()
     assert main(["export", str(run), "--to", "all", "--out", str(tmp_path / "e"), "--config", "tiny",
                  "--dtype", "fp32"]) == 0
-    assert sorted(p.name for p in (tmp_path / "e").iterdir()) == sorted(FORMATS)
+    assert sorted(p.name for p in (tmp_path / "e").iterdir()) == sorted([MARKER, *FORMATS])
     assert json.loads((tmp_path / "e" / "vllm" / "eyas.json").read_text())["dtype"] == "fp32"
     # re-exporting over an export replaces it; over a foreign directory it refuses
     assert main(["export", str(run), "--to", "vllm", "--out", str(tmp_path / "e" / "vllm")]) == 0

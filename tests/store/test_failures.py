@@ -10,6 +10,7 @@ import torch
 import eyas.store.create as capture_mod
 import eyas.store.writer as writer_mod
 from eyas.common import EyasError
+from eyas.ownership import MARKER, claim
 from eyas.store import StoreReader
 from eyas.stages.verify import run as verify_store
 from store_helpers import capture, tiny_cfg
@@ -63,7 +64,7 @@ def test_full_disk_keeps_committed_store_and_resumes(tmp_path, prepared, tiny_ta
     assert "no space left" in msg and "needs about" in msg and "rest of the capture" in msg and "resume" in msg
     partial = StoreReader(store)
     assert len(partial.shards) == 2 and not partial.complete
-    assert not [p for p in store.iterdir() if p.name.startswith(".")]  # no temporary file left behind
+    assert not [p for p in store.iterdir() if p.name.startswith(".") and p.name != MARKER]  # no temporary file left
     assert verify_store(store, num_samples=0)["problems"] == []
     monkeypatch.undo()
     assert capture(cfg, prepared, store, target=tiny_target)["complete"]
@@ -185,7 +186,7 @@ def test_a_head_file_left_alone_by_a_killed_start_is_written_again(tmp_path, pre
     from eyas.store.manifest import HEAD_FILE
 
     store = tmp_path / "store"
-    store.mkdir()
+    claim(store, "capture")  # a killed start had claimed the store before it wrote the head
     (store / HEAD_FILE).write_bytes(b"half written")
     capture(tiny_cfg(shard_tokens=200, token_budget=256), prepared, store, target=tiny_target)
     assert verify_store(store, num_samples=0)["problems"] == []

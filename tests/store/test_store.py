@@ -8,6 +8,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from eyas.common import EyasError
+from eyas.ownership import MARKER
 from eyas.store import StoreReader
 from eyas.data.prepared import load_prepared_arrays
 from eyas.target.capture import FeatureCapture
@@ -30,7 +31,7 @@ def test_round_trip_layout_and_manifest(tmp_path, prepared, tiny_target):
     assert manifest["target_config"]["hidden_size"] == 64 and manifest["target_config"]["num_hidden_layers"] == 4
     assert sum(s["num_tokens"] for s in manifest["shards"]) == manifest["num_tokens"]
     assert sorted(p.name for p in store.iterdir()) == sorted(
-        ["manifest.json", "summary.json", "target_head.safetensors"] + [s["file"] for s in manifest["shards"]])
+        [MARKER, "manifest.json", "summary.json", "target_head.safetensors"] + [s["file"] for s in manifest["shards"]])
     head = load_file(store / "target_head.safetensors")
     assert torch.equal(head["embed_tokens.weight"], tiny_target.embed_tokens.weight)
     assert torch.equal(head["lm_head.weight"], tiny_target.lm_head.weight)
