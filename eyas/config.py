@@ -163,8 +163,8 @@ class DataConfig:
         _at_least("data.num_prompts", self.num_prompts, 0)
         _at_least("data.self_prompts", self.self_prompts, 0)
         if self.self_prompts and self.regenerate is None:
-            raise ConfigError(f"data.self_prompts={self.self_prompts} needs data.regenerate (local or a server URL): "
-                              f"the target's own prompts have no responses until it answers them")
+            raise ConfigError(f"data.self_prompts={self.self_prompts} needs data.regenerate: the target's own prompts have "
+                              f"no responses until it answers them; add --regenerate local (or a server URL)")
         if self.self_prompts and not 0 < self.self_prompt_temperature <= 2:
             raise ConfigError(f"data.self_prompt_temperature={self.self_prompt_temperature!r} must lie in (0, 2]: "
                               f"greedy decoding would write the same request every time")
