@@ -62,7 +62,10 @@ def run(cfg, inputs: Inputs, out: str | Path, *, target=None) -> dict:
                 device = cfg.target.device
                 if world > 1 and device == "auto" and torch.cuda.is_available():
                     device = f"cuda:{local_rank}"
-                target = load_target(cfg.target.model, device=device, dtype=cfg.target.dtype)
+                target = load_target(cfg.target.model, device="cpu" if cfg.target.backend == "vllm" else device,
+                                     dtype=cfg.target.dtype)  # with vLLM, only its identity, head and norm
+            if cfg.target.backend == "vllm":
+                return _capture_vllm(cfg, prepared, store, target, world)
             return _capture(cfg, prepared, store, target, rank, world)
     finally:
         if owned:
@@ -104,8 +107,29 @@ def _plan(cfg, prepared: Prepared, store: Path, target, features: FeatureCapture
     return _Plan(shards, done, todo, dtype, budget, manifest)
 
 
-def _capture(cfg, prepared: Prepared, store: Path, target, rank: int, world: int) -> dict:
-    features = FeatureCapture(target, cfg.target.aux_layers)
+def _capture_vllm(cfg, prepared: Prepared, store: Path, target, world: int) -> dict:
+    """The same capture with the states from a vLLM engine (target.backend=vllm), which spreads the target over
+    its devices itself (target.engine); a sample the engine would refuse stops it before anything is written."""
+    from eyas.target.vllm.capture import extraction
+
+    if world > 1:
+        raise EyasError("target.backend=vllm captures from one process (the engine spreads the target with "
+                        "target.engine.tensor_parallel_size and the like); start it without torchrun")
+    _check_prepared(prepared, target)  # before the engine's start, which takes a while
+    with extraction(target, cfg.target.aux_layers, dtype=cfg.target.dtype, engine=cfg.target.engine,
+                    states_dir=store / ".vllm-states") as features:
+        limit = features.engine.max_model_len
+        too_long = [i for i, n in enumerate(prepared.lengths) if n >= limit]
+        if too_long:
+            names = ", ".join(str(prepared.sample_ids[i]) for i in too_long[:5])
+            raise EyasError(f"{len(too_long)} sample(s) of {prepared.path} are too long for the vLLM engine (max_model_len "
+                            f"{limit}, one token is generated): {names}{', ...' if len(too_long) > 5 else ''}; raise "
+                            f"target.engine.max_model_len or re-run `eyas prepare` with a lower data.max_length")
+        return _capture(cfg, prepared, store, target, 0, 1, features)
+
+
+def _capture(cfg, prepared: Prepared, store: Path, target, rank: int, world: int, features=None) -> dict:
+    features = features or FeatureCapture(target, cfg.target.aux_layers)
     _check_prepared(prepared, target)
     plan = _plan(cfg, prepared, store, target, features, rank, world)
     lengths = prepared.lengths

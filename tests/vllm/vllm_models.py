@@ -49,3 +49,20 @@ def tiny_deepseek_v3_dir(out: Path, seed: int = 0) -> Path:
     raw.update(topk_method="noaux_tc", scoring_func="sigmoid")
     path.write_text(json.dumps(raw, indent=2))
     return out
+
+
+def prepared_dir(path: Path, num_samples: int, vocab: int = 300, max_len: int = 60, seed: int = 0) -> Path:
+    """A prepared directory (the prepare stage's layout) of random token ids with a loss mask on the tail."""
+    import json
+
+    import datasets
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    lengths = rng.integers(5, max_len + 1, size=num_samples)
+    ids = [rng.integers(0, vocab, size=n).astype(np.int32).tolist() for n in lengths]
+    masks = [[0] * (n // 2) + [1] * (n - n // 2) for n in lengths]
+    datasets.Dataset.from_dict({"sample_id": [f"s{i:04d}" for i in range(num_samples)], "input_ids": ids,
+                                "loss_mask": masks}).save_to_disk(str(path / "dataset"))
+    (path / "prepare.json").write_text(json.dumps({"source": "vllm tests", "num_kept": num_samples}))
+    return path

@@ -13,6 +13,7 @@ prompt is an EyasError naming it.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import os
 from dataclasses import dataclass, field
@@ -155,3 +156,14 @@ def start_features(target, aux_layers: list[int] | None, *, dtype: str = "auto",
     engine = ExtractionEngine(model_dir(target), ids, target.num_layers, dtype=dtype, engine=engine,
                               states_dir=states_dir)
     return VllmFeatures(engine, target.norm, target)
+
+
+@contextlib.contextmanager
+def extraction(target, aux_layers: list[int] | None, *, dtype: str = "auto", engine: dict | None = None,
+               states_dir=None):
+    """`start_features` for a `with` block: the engine is shut down when it ends, however it ends."""
+    features = start_features(target, aux_layers, dtype=dtype, engine=engine, states_dir=states_dir)
+    try:
+        yield features
+    finally:
+        features.engine.close()

@@ -89,13 +89,16 @@ def engine_kwargs(model_dir: str, layer_ids: list[int], states_dir: str, dtype: 
     return kwargs
 
 
-def _cpu_thread_binding(engine: dict) -> None:
+@contextlib.contextmanager
+def _cpu_thread_binding(engine: dict):
     """On the CPU build vLLM binds one NUMA node per rank and refuses more ranks than nodes; without a binding
-    given, split the cores this process may use evenly among the ranks ("0|1" for two ranks on two cores)."""
+    given, split the cores this process may use evenly among the ranks ("0|1" for two ranks on two cores),
+    for the engine's start only (its workers inherit it; a later engine of another size must not)."""
     from vllm.platforms import current_platform
 
     ranks = int(engine.get("tensor_parallel_size", 1)) * int(engine.get("pipeline_parallel_size", 1))
     if not current_platform.is_cpu() or ranks <= 1 or "VLLM_CPU_OMP_THREADS_BIND" in os.environ:
+        yield
         return
     cores = sorted(os.sched_getaffinity(0))
     if len(cores) < ranks:
@@ -103,6 +106,10 @@ def _cpu_thread_binding(engine: dict) -> None:
     per = len(cores) // ranks
     os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(
         ",".join(str(c) for c in cores[r * per:(r + 1) * per]) for r in range(ranks))
+    try:
+        yield
+    finally:
+        del os.environ["VLLM_CPU_OMP_THREADS_BIND"]
 
 
 class ExtractionEngine:
@@ -118,11 +125,13 @@ class ExtractionEngine:
         self._own_dir = states_dir is None
         self.states_dir = Path(states_dir or tempfile.mkdtemp(prefix="eyas-vllm-states-"))
         self.states_dir.mkdir(parents=True, exist_ok=True)
-        _cpu_thread_binding(engine)
         kwargs = engine_kwargs(str(model_dir), self.layer_ids, str(self.states_dir), dtype, engine)
         t0 = time.perf_counter()
         try:
-            self.llm = vllm.LLM(**kwargs)
+            with _cpu_thread_binding(engine):
+                self.llm = vllm.LLM(**kwargs)
+        except EyasError:
+            raise
         except Exception as e:  # noqa: BLE001 - vLLM reports bad arguments with many types
             text = str(e).strip().splitlines()
             raise EyasError(f"vLLM could not start on {model_dir} ({type(e).__name__}: {text[-1][:300] if text else ''}); "
