@@ -13,8 +13,10 @@ import hashlib
 import json
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -29,30 +31,21 @@ class Case:
     argv: tuple[str, ...]  # templates: "{bin}", "{out}/run", ...
     expect: tuple[str, ...]  # each a substring of the error line
     absent: tuple[str, ...] = ()  # paths (templates) that must not exist afterwards
-    patch: Callable | None = None  # patch(monkeypatch, calls): set up the machine the case needs
-    check: Callable | None = None  # check(calls): what else must hold afterwards
-    notes: str = field(default="", compare=False)
+    patch: Callable | None = None  # patch(monkeypatch): set up the machine the case needs (in this process)
+    check: Callable | None = None  # check(output): what else must hold afterwards (output: stdout + stderr)
+    # run as `python -m eyas` with standard input closed, for what only a real process shows (a prompt)
+    process: bool = False
 
 
-def _no_gpu(monkeypatch, calls):
+def _no_gpu(monkeypatch):
     from eyas.gpu import nvml
 
     monkeypatch.setattr(nvml, "available", lambda: False)
     monkeypatch.setattr(nvml, "why_unavailable", lambda: "no NVIDIA driver or GPU found")
 
 
-def _record_prompts(monkeypatch, calls):
-    """input() records that it was called and answers nothing, as a closed terminal would."""
-
-    def no_terminal(*args):
-        calls.append(args)
-        raise EOFError
-
-    monkeypatch.setattr("builtins.input", no_terminal)
-
-
-def _never_prompted(calls):
-    assert calls == [], f"asked on the terminal: {calls}"
+def _never_prompted(output: str):
+    assert "[y/N]" not in output and "Do you wish" not in output, output
 
 
 TRAIN = ("train", "--config", "tiny", "--steps", "1")
@@ -137,8 +130,8 @@ CASES = [
          ("{afile}",)),
     Case("target that needs remote code", ("prepare", "--config", "tiny", "--target", "{remote}", "--data",
                                            "{prompts}", "--out", "{out}/prep"),
-         ("ships Python code of its own", "--set target.trust_remote_code=true"),
-         patch=_record_prompts, check=_never_prompted),
+         ("ships Python code of its own", "--set target.trust_remote_code=true"), absent=("{remote}/RAN",),
+         check=_never_prompted, process=True),
 ]
 
 
@@ -147,18 +140,44 @@ def _digest_tree(root: Path) -> dict[str, str]:
             for p in sorted(root.rglob("*"))}
 
 
+def _log_to_this_stderr(monkeypatch):
+    """The libraries' log handlers (transformers, huggingface_hub, torch) keep the stderr of the test that first
+    imported them, closed by now: point them at this test's, so that a warning is captured here instead of being
+    reported as a logging error with a traceback."""
+    import logging
+    import sys
+
+    loggers = [logging.getLogger()] + [lg for lg in logging.Logger.manager.loggerDict.values()
+                                       if isinstance(lg, logging.Logger)]
+    for logger in loggers:
+        for handler in logger.handlers:
+            if type(handler) is logging.StreamHandler:  # pytest's own capturing handlers are subclasses
+                monkeypatch.setattr(handler, "stream", sys.stderr)
+
+
+def _run(case: Case, argv: list[str], tmp: Path, monkeypatch, capsys) -> tuple[int, str, str]:
+    """(exit status, stdout, stderr) of the command, in this process or as one."""
+    if case.process:
+        env = {**os.environ, "EYAS_DEBUG": "0", "TMPDIR": str(tmp)}
+        done = subprocess.run([sys.executable, "-m", "eyas", *argv], stdin=subprocess.DEVNULL, capture_output=True,
+                              text=True, env=env, timeout=300)
+        return done.returncode, done.stdout, done.stderr
+    monkeypatch.setenv("EYAS_DEBUG", "0")
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp))  # where a traceback would be written
+    if case.patch:
+        case.patch(monkeypatch)
+    rc = main(argv)
+    out = capsys.readouterr()
+    return rc, out.out, out.err
+
+
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
 def test_a_bad_input_is_a_one_line_error(case, world, tmp_path, monkeypatch, capsys):
-    monkeypatch.setenv("EYAS_DEBUG", "0")
-    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))  # where a traceback would be written
+    _log_to_this_stderr(monkeypatch)
     (tmp_path / "tmp").mkdir()
-    calls: list = []
-    if case.patch:
-        case.patch(monkeypatch, calls)
     paths = {**world, "out": str(tmp_path / "out")}
     before = _digest_tree(Path(world["root"]))
-    rc = main([a.format(**paths) for a in case.argv])
-    err = capsys.readouterr().err
+    rc, out, err = _run(case, [a.format(**paths) for a in case.argv], tmp_path / "tmp", monkeypatch, capsys)
     last = err.strip().splitlines()[-1] if err.strip() else ""
     assert rc == 2, err
     assert "Traceback" not in err, err
@@ -169,7 +188,7 @@ def test_a_bad_input_is_a_one_line_error(case, world, tmp_path, monkeypatch, cap
     for p in case.absent:
         assert not Path(p.format(**paths)).exists(), p
     if case.check:
-        case.check(calls)
+        case.check(out + err)
 
 
 # ---------------------------------------------------------------- the shared files
@@ -217,7 +236,7 @@ def _wide_target(root: Path) -> Path:
 
 def remote_code_target(root: Path, source: Path) -> Path:
     """A copy of the model directory `source` whose config.json sends transformers to a module shipped beside
-    it (auto_map); importing the module writes RAN next to it."""
+    it (auto_map); importing the module writes DIR/RAN."""
     d = root / "remote"
     shutil.copytree(source, d)
     cfg = json.loads((d / "config.json").read_text())
@@ -227,7 +246,7 @@ def remote_code_target(root: Path, source: Path) -> Path:
     (d / "remote_model.py").write_text(
         "from pathlib import Path\n"
         "from transformers import LlamaConfig, LlamaForCausalLM\n"
-        "Path(__file__).with_name('RAN').write_text('remote code ran')\n\n\n"
+        f"Path({str(d / 'RAN')!r}).write_text('remote code ran')\n\n\n"
         "class RemoteConfig(LlamaConfig):\n    model_type = 'eyas-test-remote'\n\n\n"
         "class RemoteLM(LlamaForCausalLM):\n    config_class = RemoteConfig\n")
     return d

@@ -127,3 +127,63 @@ def test_rerun_from_saved_config_keeps_every_stage_fingerprint(tmp_path, name):
     again = load_config(str(tmp_path / "config.yaml"))
     for stage in STAGES:
         assert fingerprint_parts(stage, again, tmp_path)["config"] == fingerprint_parts(stage, first, tmp_path)["config"], stage.name
+
+
+@pytest.mark.parametrize("item, words", [
+    ("train.lr=nan", ["train.lr='nan'", "finite number"]),
+    ("train.lr=1e999", ["train.lr='1e999'", "finite number"]),
+    ("train.epochs=inf", ["train.epochs='inf'", "finite number"]),
+    ("data.regen_timeout_s=-inf", ["data.regen_timeout_s", "finite number"]),
+    ("train.lr=0", ["train.lr=0.0", "(0, 1]"]),
+    ("train.lr=1.5", ["train.lr=1.5", "(0, 1]", "typical"]),
+    ("train.ttt=0", ["train.ttt=0", "[1, 64]"]),
+    ("train.ttt=65", ["train.ttt=65", "[1, 64]", "memory grows with ttt"]),
+    ("train.max_bad_steps=0", ["train.max_bad_steps=0", ">= 1"]),
+    ("train.save_every_minutes=-1", ["train.save_every_minutes=-1.0", ">= 0"]),
+    ("data.max_record_mb=0", ["data.max_record_mb=0.0", "> 0"]),
+    ("target.trust_remote_code=perhaps", ["target.trust_remote_code", "true or false"]),
+    ("target.engine=[1, 2]", ["target.engine", "mapping"]),
+    ("target.engine={a: .inf}", ["target.engine", "JSON values"]),
+    ("data.self_prompts=5", ["data.self_prompts=5", "needs data.regenerate"]),
+])
+def test_values_out_of_bounds_are_refused_when_the_config_is_built(item, words):
+    with pytest.raises(ConfigError) as e:
+        load_config("tiny", [item, "data.regenerate=none"] if item.startswith("data.self_prompts") else [item])
+    msg = str(e.value)
+    assert "\n" not in msg and all(w in msg for w in words), msg
+
+
+def test_options_of_two_sections_are_checked_together():
+    with pytest.raises(ConfigError, match=r"train.ttt=9 is longer than data.max_length=8"):
+        load_config("tiny", ["train.ttt=9", "data.max_length=8"])
+    assert load_config("tiny", ["train.ttt=8", "data.max_length=8"]).train.ttt == 8
+
+
+def test_a_config_built_in_code_is_held_to_the_same_rules():
+    from eyas.config import DataConfig, TargetConfig, TrainConfig
+
+    with pytest.raises(ConfigError, match="train.lr='fast': expected|train.lr: expected a number"):
+        TrainConfig(lr="fast")
+    with pytest.raises(ConfigError, match="finite number"):
+        TrainConfig(lr=float("nan"))
+    with pytest.raises(ConfigError, match="target.trust_remote_code: expected true or false"):
+        TargetConfig(trust_remote_code="yes please")
+    assert TrainConfig(epochs=4).epochs == 4.0 and isinstance(TrainConfig(epochs=4).epochs, float)
+    assert TrainConfig(lr=1).lr == 1.0  # the upper bound itself is allowed
+
+
+def test_a_file_that_is_not_yaml_text_is_refused(tmp_path):
+    from eyas.config import MAX_CONFIG_BYTES
+
+    binary = tmp_path / "model.bin"
+    binary.write_bytes(bytes(range(255, -1, -1)))
+    with pytest.raises(ConfigError, match=r"model.bin: not a YAML text file \(byte 0 is not UTF-8\)"):
+        load_config(str(binary))
+    big = tmp_path / "big.yaml"
+    big.write_text("#" * (MAX_CONFIG_BYTES + 1))
+    with pytest.raises(ConfigError, match="too large for a config file"):
+        load_config(str(big))
+    nan = tmp_path / "nan.yaml"
+    nan.write_text("preset: tiny\ntrain:\n  lr: .nan\n")
+    with pytest.raises(ConfigError, match="train.lr=nan: expected a finite number"):
+        load_config(str(nan))

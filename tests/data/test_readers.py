@@ -87,3 +87,60 @@ def test_read_sources_reports_the_repairs_in_one_line(tmp_path, capsys):
     assert len(out) == 1
     assert f"empty system message dropped: 2 (first at {path}:1)" in out[0]
     assert f"last user turn without an answer cut: 2 (first at {path}:2)" in out[0]
+
+
+def _prompt(i: int, size: int = 5) -> dict:
+    return {"id": f"r{i}", "prompt": "p" * size, "response": "ok"}
+
+
+def test_a_jsonl_line_over_the_cap_is_skipped_unread(tmp_path):
+    path = tmp_path / "d.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in (_prompt(0), _prompt(1, 3 << 20), _prompt(2))))
+    items = list(read_sources([str(path)], max_record_mb=1))
+    assert [getattr(i, "sample_id", None) for i in items] == ["r0", None, "r2"]
+    skip = items[1]
+    assert skip.reason == "too_large" and skip.where == f"{path}:2" and "data.max_record_mb=1" in skip.detail
+    # the same file under a larger cap: every record kept
+    assert all(isinstance(i, Conversation) for i in read_sources([str(path)], max_record_mb=4))
+
+
+def test_a_line_of_exactly_the_cap_is_kept(tmp_path):
+    from eyas.data.readers import MB, bounded_lines
+
+    path = tmp_path / "d.jsonl"
+    path.write_bytes(b"a" * MB + b"\n" + b"b" * (MB + 1) + b"\n" + b"c" * MB)
+    with open(path, "rb") as f:
+        got = [(n, None if line is None else len(line)) for n, line in bounded_lines(f, MB)]
+    assert got == [(1, MB + 1), (2, None), (3, MB)]
+
+
+def test_records_over_the_cap_in_json_and_parquet_are_skipped(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    records = [_prompt(0), _prompt(1, 2 << 20), _prompt(2)]
+    (tmp_path / "d.json").write_text(json.dumps(records))
+    pq.write_table(pa.Table.from_pylist(records), tmp_path / "d.parquet")
+    for name, where in (("d.json", "record 1"), ("d.parquet", "row 1")):
+        items = list(read_sources([str(tmp_path / name)], max_record_mb=1))
+        assert [type(i).__name__ for i in items] == ["Conversation", "Skip", "Conversation"], name
+        assert items[1].reason == "too_large" and items[1].where.endswith(where)
+
+
+def test_a_json_document_too_large_to_parse_whole_is_refused_with_the_advice(tmp_path, monkeypatch):
+    import eyas.data.readers as readers
+
+    monkeypatch.setattr(readers, "MAX_JSON_MB", 1)
+    path = tmp_path / "big.json"
+    path.write_text(json.dumps([_prompt(i, 1000) for i in range(1500)]))
+    (item,) = list(read_sources([str(path)]))
+    assert item.reason == "unreadable_file" and "write it as JSONL" in item.detail
+
+
+def test_a_truncated_gzip_jsonl_is_one_skip(tmp_path):
+    import gzip
+
+    path = tmp_path / "d.jsonl.gz"
+    path.write_bytes(gzip.compress(("".join(json.dumps(_prompt(i)) + "\n" for i in range(50))).encode())[:-30])
+    items = list(read_sources([str(path)]))
+    assert items[-1].reason == "unreadable_file" and all(isinstance(i, Conversation) for i in items[:-1])

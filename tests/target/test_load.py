@@ -158,3 +158,31 @@ def test_unloadable_targets_are_one_line_errors(tmp_path, monkeypatch, tiny_targ
     with pytest.raises(EyasError, match=r"cannot load the target from .*no_tokenizer") as e:
         load_target(str(no_tokenizer), device="cpu")
     assert "\n" not in str(e.value)
+
+
+def test_a_target_that_ships_its_own_code_needs_trust_remote_code(tmp_path, tiny_target, monkeypatch):
+    """Refused with the option's name, without a question on the terminal and without running the code;
+    loaded (running the code) only with trust_remote_code."""
+    import json
+
+    model_dir = tmp_path / "remote"
+    tiny_target.model.save_pretrained(model_dir)
+    tiny_target.tokenizer.save_pretrained(model_dir)
+    cfg = json.loads((model_dir / "config.json").read_text())
+    cfg.update(model_type="eyas-test-remote",
+               auto_map={"AutoConfig": "remote_model.RemoteConfig", "AutoModelForCausalLM": "remote_model.RemoteLM"})
+    (model_dir / "config.json").write_text(json.dumps(cfg))
+    (model_dir / "remote_model.py").write_text(
+        "from pathlib import Path\n"
+        "from transformers import LlamaConfig, LlamaForCausalLM\n"
+        f"Path({str(model_dir / 'RAN')!r}).write_text('remote code ran')\n\n\n"
+        "class RemoteConfig(LlamaConfig):\n    model_type = 'eyas-test-remote'\n\n\n"
+        "class RemoteLM(LlamaForCausalLM):\n    config_class = RemoteConfig\n")
+    asked = []
+    monkeypatch.setattr("builtins.input", lambda *a: asked.append(a) or "y")
+    with pytest.raises(EyasError, match=r"ships Python code of its own.*--set target.trust_remote_code=true") as e:
+        load_target(str(model_dir), device="cpu")
+    assert "\n" not in str(e.value)
+    assert asked == [] and not (model_dir / "RAN").exists()
+    target = load_target(str(model_dir), device="cpu", trust_remote_code=True)
+    assert type(target.model).__name__ == "RemoteLM" and (model_dir / "RAN").exists() and asked == []
