@@ -479,6 +479,11 @@ def _coerce(key: str, value: Any, tp: Any) -> Any:
             raise ConfigError(f"{key}: expected a mapping of names to values, e.g. {{enable_thinking: false}}, "
                               f"got {value!r}")
         return dict(value)
+    return _scalar(key, value, tp)
+
+
+def _scalar(key: str, value: Any, tp: Any) -> Any:
+    """A bool, int, float or str field's value, converted from a command-line string where it is one."""
     if tp is bool:
         if isinstance(value, bool):
             return value
