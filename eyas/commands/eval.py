@@ -99,5 +99,5 @@ def main(args) -> int:
         return out.with_name(f"{out.stem}-{bench}-{name}.json" if many else out.name)
 
     stage.run(cfg, stage.Inputs(draft=args.draft), args.out_dir or out.parent, settings=settings,
-              result_path=result_path, require_compile=args.compile_draft)
+              result_path=result_path, require_compile=args.compile_draft, own_out=bool(args.out_dir))
     return 0

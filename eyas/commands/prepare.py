@@ -88,7 +88,10 @@ def main(args) -> int:
 
     from eyas.stages import prepare
 
+    from eyas.ownership import check_output_path
+
     cfg = config_from_args(args)
+    check_output_path(args.out, "output directory (--out)")  # Path('') would mean the current directory
     out = Path(args.out)
     try:
         summary = prepare.run(cfg, prepare.Inputs(data=tuple(cfg.data.data)), out)

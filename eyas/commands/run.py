@@ -61,6 +61,9 @@ def main(args) -> int:
 
     if args.config_file and args.preset:
         raise EyasError("give either CONFIG.yaml or --preset, not both")
+    from eyas.ownership import check_output_path
+
+    check_output_path(args.run_dir, "run directory (--run-dir)")  # Path('') would mean the current directory
     layout = RunLayout(Path(args.run_dir))
     source = args.config_file or args.preset
     if source is None and layout.config.is_file():

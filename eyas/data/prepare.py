@@ -77,7 +77,8 @@ def _load_conversations(cfg: RunConfig, report: _Report) -> tuple[list[Conversat
     dc = cfg.data
     if dc.data:
         convs, repaired = [], Counter()
-        for item in read_sources(dc.data, dc.format, need_assistant=dc.regenerate is None):
+        for item in read_sources(dc.data, dc.format, need_assistant=dc.regenerate is None,
+                                 max_record_mb=dc.max_record_mb):
             if isinstance(item, Skip):
                 report.skip(item.reason, item.where, item.detail)
             else:

@@ -63,7 +63,8 @@ def run(cfg, inputs: Inputs, out: str | Path, *, target=None) -> dict:
                 if world > 1 and device == "auto" and torch.cuda.is_available():
                     device = f"cuda:{local_rank}"
                 target = load_target(cfg.target.model, device="cpu" if cfg.target.backend == "vllm" else device,
-                                     dtype=cfg.target.dtype)  # with vLLM, only its identity, head and norm
+                                     dtype=cfg.target.dtype,  # with vLLM, only its identity, head and norm
+                                     trust_remote_code=cfg.target.trust_remote_code)
             if cfg.target.backend == "vllm":
                 return _capture_vllm(cfg, prepared, store, target, world)
             return _capture(cfg, prepared, store, target, rank, world)

@@ -70,7 +70,8 @@ def _run(cfg, inputs: Inputs, out: str | Path, target, settings, result_path, hf
     if target is None:
         from eyas.target import load_target
 
-        target = load_target(cfg.target.model, device=cfg.target.device, dtype=cfg.target.dtype)
+        target = load_target(cfg.target.model, device=cfg.target.device, dtype=cfg.target.dtype,
+                             trust_remote_code=cfg.target.trust_remote_code)
     engine, info = build_engine(target, inputs.draft, cfg.target.aux_layers, cuda_graphs=cfg.eval.cuda_graphs,
                                 compile_draft=cfg.eval.compile_draft, require_compile=require_compile)
     print0(f"target {target.name} ({target.device}, {target.dtype}) | draft {inputs.draft} | aux layers {info['aux']} | "

@@ -28,7 +28,8 @@ def run(cfg, inputs: Inputs, out: str | Path, *, target=None) -> dict:
         if target is None:
             from eyas.target import load_target
 
-            target = load_target(cfg.target.model, device=cfg.target.device, dtype=cfg.target.dtype)
+            target = load_target(cfg.target.model, device=cfg.target.device, dtype=cfg.target.dtype,
+                                 trust_remote_code=cfg.target.trust_remote_code)
         load_s = time.perf_counter() - t0
         cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, data=list(inputs.data)))
         summary = prepare(cfg, out, target)

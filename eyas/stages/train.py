@@ -117,7 +117,8 @@ def online_training_source(cfg, inputs: Inputs, device: str, target=None):
     if target is None:
         if world_size() > 1 and device in ("auto", "cuda"):
             device = f"cuda:{os.environ.get('LOCAL_RANK', '0')}" if torch.cuda.is_available() else "cpu"
-        target = load_target(cfg.target.model, device=device, dtype=cfg.target.dtype)
+        target = load_target(cfg.target.model, device=device, dtype=cfg.target.dtype,
+                             trust_remote_code=cfg.target.trust_remote_code)
     features = FeatureCapture(target, cfg.target.aux_layers)
     vocab_path = Path(inputs.vocab) if inputs.vocab else Path(inputs.prepared) / "vocab.safetensors"
     d2t = t2d = None
