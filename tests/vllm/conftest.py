@@ -16,7 +16,12 @@ ENGINE = {"max_model_len": 512, "enforce_eager": True}
 
 
 def require_vllm():
-    return pytest.importorskip("vllm", reason=SKIP_REASON)
+    """vLLM itself, or a skip. This folder (tests/vllm) is on sys.path under pytest and would import as a
+    namespace package `vllm` where vLLM is not installed: only a module with a file counts."""
+    vllm = pytest.importorskip("vllm", reason=SKIP_REASON)
+    if getattr(vllm, "__file__", None) is None:
+        pytest.skip(SKIP_REASON, allow_module_level=True)
+    return vllm
 
 
 def rel_err(got, want) -> float:

@@ -57,7 +57,9 @@ def test_missing_vllm_is_one_line_with_the_install_command(monkeypatch):
 
 
 def test_vllm_without_extraction_is_refused(monkeypatch):
-    pytest.importorskip("vllm")
+    from conftest import require_vllm as vllm_or_skip
+
+    vllm_or_skip()
     real_find = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec",
                         lambda name, *a: None if name.endswith("extract_hidden_states") else real_find(name, *a))

@@ -46,6 +46,9 @@ def require_vllm():
     except ImportError as e:
         raise EyasError(f"target.backend=vllm needs vLLM, which cannot be imported ({e}); install it with: "
                         f"{_install_hint()}") from None
+    if getattr(vllm, "__file__", None) is None:  # a directory named vllm on sys.path, not the package
+        raise EyasError(f"target.backend=vllm needs vLLM, but `vllm` resolves to the directory {list(vllm.__path__)}, "
+                        f"not the package; install it with: {_install_hint()}")
     import importlib.util
 
     for module in ("vllm.model_executor.models.extract_hidden_states",
