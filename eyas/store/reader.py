@@ -5,10 +5,10 @@ is still writing; `tail()` yields each newly committed shard's samples until the
 capture is complete.
 
 With `check_sha256` (training), every committed shard's sha256 is computed against the manifest's by
-background threads (half the CPU cores, at most 4), in commit order, as soon as the reader sees the shard. A sample is read only from a
-shard whose hash matched: a read that reaches a shard first hashes it in the reading thread (or waits for
-the background thread already at it), so the data position never decides what was checked. Any mismatch,
-found by either, fails the next read with an error that names the shard.
+background threads (half the CPU cores, at most 4), in commit order, as soon as the reader sees the
+shard. A sample is read only from a shard whose hash matched: a read that reaches a shard first hashes
+it in the reading thread (or waits for the thread already at it), so the data position never decides
+what was checked. Any mismatch, found by either, fails the next read with an error naming the shard.
 """
 
 from __future__ import annotations
@@ -48,8 +48,8 @@ class _Shard:
 class ShardChecksums:
     """The sha256 of each shard, checked once, off the reading path where possible (see the module docstring).
 
-    A big store takes a while (sha256 runs at about 1 GB/s per thread): the first batches, which draw samples from many
-    shards, may wait for some; they are read while the draft is being set up (and compiled)."""
+    A big store takes a while (sha256 runs at about 1 GB/s per thread): the first batches, which draw
+    samples from many shards, may wait for some; they are read while the draft is set up (and compiled)."""
 
     CHUNK = 8 << 20  # hashlib releases the GIL on big blocks: reading threads keep running meanwhile
 

@@ -10,7 +10,7 @@ Nothing is pickled. A step directory holds:
 
     model.safetensors      the draft's weights (fp32, without the frozen embedding)
     draft.json             the draft's config, aux layers, features, target identity
-    optimizer.safetensors  every tensor of the optimizer and scheduler state, under its path ("optimizer/state/0/exp_avg")
+    optimizer.safetensors  the optimizer's and scheduler's tensors, each under its path ("optimizer/state/0/exp_avg")
     optimizer.json         the rest of that state, tensors replaced by {"tensor": path}
     rng.safetensors        torch's (and each CUDA device's) generator state, uint8
     rng.json               Python's and numpy's generator states

@@ -135,7 +135,8 @@ def check_resume_config(step_dir: Path, cfg) -> None:
         raise EyasError(f"{path}: not readable YAML ({e.__class__.__name__}); resume from another step directory or "
                         f"train into a new --out") from None
     ours = cfg.train
-    differ = [(k, saved[k], getattr(ours, k)) for k in RESUME_KEYS if k in saved and not _same(saved[k], getattr(ours, k))]
+    differ = [(k, saved[k], getattr(ours, k)) for k in RESUME_KEYS
+              if k in saved and not _same(saved[k], getattr(ours, k))]
     if differ:
         said = ", ".join(f"train.{k} is {a!r} there and {b!r} now" for k, a, b in differ)
         sets = " ".join(f"--set train.{k}={a}" for k, a, _ in differ)

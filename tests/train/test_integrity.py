@@ -228,7 +228,8 @@ def test_training_that_cannot_fit_is_refused_before_the_first_step(tmp_path, set
 # ---- wall-clock checkpoints
 
 def test_checkpoints_are_also_written_by_wall_time(tmp_path):
-    cfg = small_config(["train.steps=5", "train.save_every=1000", "train.save_every_minutes=1e-9", "train.keep_last=10"])
+    cfg = small_config(["train.steps=5", "train.save_every=1000", "train.save_every_minutes=1e-9",
+                        "train.keep_last=10"])
     train(cfg, tmp_path, synthetic_source(), device="cpu")
     assert [p.name for p in ckpt.list_steps(tmp_path)] == [f"step-000000{i}" for i in range(1, 6)]
     train(small_config(["train.steps=5", "train.save_every=1000", "train.save_every_minutes=0"]), tmp_path / "off",
