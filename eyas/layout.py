@@ -76,8 +76,9 @@ class RunLayout:
         return self.eval / eval_result_name(bench, setting)
 
     def eval_results(self) -> list[Path]:
-        """The eval results present, sorted by name (every JSON file in RUN/eval but the stage's summary)."""
-        return sorted(p for p in self.eval.glob("*.json") if p.name != SUMMARY)
+        """The eval results present, sorted by name (every JSON file in RUN/eval but the stage's summary and
+        hidden files such as eyas's ownership marker)."""
+        return sorted(p for p in self.eval.glob("*.json") if p.name != SUMMARY and not p.name.startswith("."))
 
     @property
     def export(self) -> Path:

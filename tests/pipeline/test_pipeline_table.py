@@ -305,6 +305,19 @@ def test_the_stage_table_writes_where_the_layout_says():
     assert layout.eval_result("mt-bench", "chain-3") == Path("/runs/r/eval/mt-bench-chain-3.json")
 
 
+def test_eval_results_are_the_result_files_only(tmp_path):
+    """The run report lists RUN/eval's results: not the stage summary, not eyas's hidden ownership marker."""
+    from eyas.layout import RunLayout, eval_result_name
+    from eyas.ownership import claim
+
+    layout = RunLayout(tmp_path / "run")
+    claim(layout.eval, "eval")
+    result = layout.eval_result("mt-bench", "chain-3")
+    for path in (result, layout.eval / "summary.json"):
+        path.write_text("{}")
+    assert layout.eval_results() == [result] and result.name == eval_result_name("mt-bench", "chain-3")
+
+
 def test_one_runner_per_run_dir(tmp_path):
     from eyas.gpu import procs
 
