@@ -49,6 +49,19 @@ def seed_all(seed: int) -> None:
     torch.manual_seed(seed)
 
 
+def nonfinite_tensors(tensors: dict) -> dict[str, int]:
+    """{name: how many NaN or infinite values} of the floating-point tensors that hold any, in their order."""
+    import torch
+
+    counts = {}
+    for name, value in tensors.items():
+        if value.is_floating_point():
+            bad = int((~torch.isfinite(value)).sum())
+            if bad:
+                counts[name] = bad
+    return counts
+
+
 def choose_device(name: str = "auto"):
     import torch
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from eyas.common import EyasError, read_json
+from eyas.common import EyasError, nonfinite_tensors, read_json
 from eyas.formats.configs import FORMATS
 from eyas.formats.keys import EMBED, FROM_FOREIGN, from_foreign
 
@@ -75,12 +75,12 @@ def _read_weights(d: Path) -> tuple[Path, dict]:
                         f"again, or use another checkpoint (step-*) or export") from None
     if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
         raise EyasError(f"{path}: does not hold a mapping of names to tensors; not a draft's weights")
-    for name, value in state.items():
-        if value.is_floating_point() and not bool(torch.isfinite(value).all()):
-            bad = int((~torch.isfinite(value)).sum())
-            raise EyasError(f"{path}: tensor {name} holds {bad:,} value(s) that are NaN or infinite; the draft is "
-                            f"broken (training diverged or the file was damaged): use an earlier checkpoint "
-                            f"(step-*) or train again")
+    nonfinite = nonfinite_tensors(state)
+    if nonfinite:
+        name, bad = next(iter(nonfinite.items()))
+        raise EyasError(f"{path}: tensor {name} holds {bad:,} value(s) that are NaN or infinite; the draft is "
+                        f"broken (training diverged or the file was damaged): use an earlier checkpoint "
+                        f"(step-*) or train again")
     return path, state
 
 

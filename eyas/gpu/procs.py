@@ -307,11 +307,3 @@ def signals_ignored():
     finally:
         for s, handler in saved.items():
             signal.signal(s, handler)
-
-
-def exclusive(path: Path, what: str, fix: str = ""):
-    """An advisory lock that is released with the process, even on kill -9; raises at once if already held,
-    naming the holder's pid (eyas.ownership.exclusive)."""
-    from eyas.ownership import exclusive as _exclusive
-
-    return _exclusive(path, what, fix)

@@ -417,7 +417,7 @@ def run_pipeline(cfg: RunConfig, run: Path, opts: RunOptions | None = None, stag
     check_inputs_outside(cfg, layout.run, stages)
     ownership.check_claimable(layout.run, "run", fix="use another --run-dir")
     fix = "another `eyas run` works there; wait for it or use another --run-dir"
-    with procs.exclusive(layout.lock, f"the run directory {run}", fix), procs.signals_raise():
+    with ownership.exclusive(layout.lock, f"the run directory {run}", fix), procs.signals_raise():
         run_id = ownership.claim(layout.run, "run")["run_id"]
         runner = Runner(cfg, layout.run, opts or RunOptions(), stages, run_id)
         try:

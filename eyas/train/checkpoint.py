@@ -33,7 +33,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from eyas.common import EyasError, atomic_write_json, fsync_dir, read_json, save_config
+from eyas.common import EyasError, atomic_write_json, fsync_dir, nonfinite_tensors, read_json, save_config
 from eyas.config import RunConfig
 
 STEP_PREFIX = "step-"
@@ -146,7 +146,7 @@ def _fsync_tree(path: Path) -> None:
 
 def check_finite(weights: dict, what: str) -> None:
     """Refuse weights holding NaN or inf: such a draft is never written."""
-    bad = [k for k, v in weights.items() if v.is_floating_point() and not bool(torch.isfinite(v).all())]
+    bad = list(nonfinite_tensors(weights))
     if bad:
         raise EyasError(f"{what}: the draft's weights hold NaN or inf ({', '.join(bad[:4])}), so they are not saved; "
                         f"the last good checkpoint is kept; lower train.lr, and check the data with `eyas verify`")

@@ -319,10 +319,10 @@ def test_eval_results_are_the_result_files_only(tmp_path):
 
 
 def test_one_runner_per_run_dir(tmp_path):
-    from eyas.gpu import procs
+    from eyas.ownership import exclusive
 
     run = tmp_path / "run"
-    with procs.exclusive(run / ".runner.lock", "held by the test"):
+    with exclusive(run / ".runner.lock", "held by the test"):
         with pytest.raises(EyasError, match="another `eyas run` works there"):
             run_pipeline(load_config("tiny"), run, QUIET, chain(tmp_path))
     assert not (tmp_path / "record.jsonl").exists()
