@@ -57,11 +57,15 @@ class Target:
 
     @property
     def device(self):
-        return next(self.model.parameters()).device
+        return self._materialised().device
 
     @property
     def dtype(self):
-        return next(self.model.parameters()).dtype
+        return self._materialised().dtype
+
+    def _materialised(self):
+        # a head-only load (weights="head") leaves the decoder layers on the meta device
+        return next(p for p in self.model.parameters() if not p.is_meta)
 
     @property
     def decoder(self):
@@ -86,8 +90,12 @@ class Target:
 
 
 def config_hash(config) -> str:
-    d = {k: v for k, v in config.to_dict().items() if k not in _VOLATILE_CONFIG_KEYS}
-    return sha256_json(d)[:16]
+    """The config's hash without the keys that do not change what the network computes, at every level: a
+    multimodal config's text_config records the dtype it was loaded in as its own top level does."""
+    def stable(d: dict) -> dict:
+        return {k: stable(v) if isinstance(v, dict) else v for k, v in d.items() if k not in _VOLATILE_CONFIG_KEYS}
+
+    return sha256_json(stable(config.to_dict()))[:16]
 
 
 # texts whose token ids pin down how a tokenizer splits: words, numbers, code, whitespace, non-Latin, emoji
@@ -126,31 +134,37 @@ def _finish(model, tokenizer, name: str, path: str | None, device, dtype) -> Tar
 
 
 def load_target(spec: str = "smollm2", *, device: str = "auto", dtype: str = "auto",
-                trust_remote_code: bool = False) -> Target:
+                trust_remote_code: bool = False, weights: str = "all") -> Target:
     """Load a target from a spec (see module doc). Errors are EyasError with the fix in one line.
 
     `trust_remote_code` (target.trust_remote_code) lets transformers run Python code shipped with the model;
-    without it such a model is refused with an error naming the option, never a question on the terminal."""
+    without it such a model is refused with an error naming the option, never a question on the terminal.
+
+    weights="head" reads only the input embeddings, the final norm and the lm_head from the checkpoint's
+    safetensors (eyas.target.head); the decoder layers stay on the meta device. The identity is a full load's."""
+    if weights not in ("all", "head"):
+        raise ValueError(f"weights must be 'all' or 'head', not {weights!r}")
     dev = choose_device(device)
     dt = choose_dtype(dtype, dev)
     name = target_name(spec)
     remote = bool(trust_remote_code)
-    if spec in TINY_KINDS:
+    head = weights == "head"
+    if spec in TINY_KINDS:  # built in code and tiny: always whole
         return _finish(make_tiny_model(spec), make_tiny_tokenizer(), name, None, dev, dt)
     if spec == "smollm2":
-        return _load_hf_dir(converted_gguf_dir(smollm2_gguf_path()), name, dev, dt, False)
+        return _load_hf_dir(converted_gguf_dir(smollm2_gguf_path()), name, dev, dt, False, head)
     path = Path(spec).expanduser()
     if spec.endswith(".gguf"):
         if not path.is_file():
             raise EyasError(f"GGUF file {spec} does not exist")
-        return _load_hf_dir(converted_gguf_dir(path), name, dev, dt, False)
+        return _load_hf_dir(converted_gguf_dir(path), name, dev, dt, False, head)
     if path.is_dir():
         if not (path / "config.json").is_file():
             raise EyasError(f"{spec} is a directory without config.json; point at a Hugging Face model directory")
-        return _load_hf_dir(path, name, dev, dt, remote)
+        return _load_hf_dir(path, name, dev, dt, remote, head)
     if path.exists() or spec.startswith((".", "/", "~")):
         raise EyasError(f"target {spec!r} is neither a model directory, a .gguf file, 'smollm2' nor a hub id")
-    return _load_hub(spec, dev, dt, remote)
+    return _load_hub(spec, dev, dt, remote, head)
 
 
 def _first_line(e: BaseException) -> str:
@@ -173,9 +187,17 @@ def _from_pretrained(path, what: str, dtype, hint: str = HF_DIR_HINT, *, trust_r
     ships its own code instead of asking on the terminal (which would stall a batch job)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    try:
+    with explained_errors(what, hint, trust_remote_code):
         tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code, **kwargs)
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=trust_remote_code, **kwargs)
+    return tokenizer, model
+
+
+@contextlib.contextmanager
+def explained_errors(what: str, hint: str = HF_DIR_HINT, trust_remote_code: bool = False):
+    """transformers' failures to read a model (files, config, tokenizer, remote code) as one-line EyasErrors."""
+    try:
+        yield
     except (OSError, ValueError, KeyError, TypeError, ImportError, AttributeError) as e:
         if not trust_remote_code and "trust_remote_code" in str(e):
             raise EyasError(f"cannot load {what}: the model ships Python code of its own (auto_map in its "
@@ -184,24 +206,47 @@ def _from_pretrained(path, what: str, dtype, hint: str = HF_DIR_HINT, *, trust_r
         # transformers reports a missing file, a bad config.json, an unknown model_type or a missing
         # tokenizer backend with these types; the first line of its message says which
         raise EyasError(f"cannot load {what} ({_first_line(e)}); {hint}") from None
-    return tokenizer, model
 
 
-def _load_hf_dir(path: Path, name: str, device, dtype, trust_remote_code: bool) -> Target:
-    tokenizer, model = _from_pretrained(path, f"the target from {path}", dtype, attn_implementation="sdpa",
+def _load_hf_dir(path: Path, name: str, device, dtype, trust_remote_code: bool, head: bool = False) -> Target:
+    what = f"the target from {path}"
+    if head:
+        from eyas.target.head import load_head
+
+        return load_head(path, name, what, device, dtype, trust_remote_code)
+    tokenizer, model = _from_pretrained(path, what, dtype, attn_implementation="sdpa",
                                         trust_remote_code=trust_remote_code)
     return _finish(model, tokenizer, name, str(path), device, dtype)
 
 
-def _load_hub(repo_id: str, device, dtype, trust_remote_code: bool) -> Target:
-    """Download (or reuse the hub cache) and load; offline gives one line naming the fix."""
+def _load_hub(repo_id: str, device, dtype, trust_remote_code: bool, head: bool = False) -> Target:
+    """Download (or reuse the hub cache) and load; offline gives one line naming the fix. For the head alone
+    only the small files are fetched here, then the weight files that hold the head tensors."""
     if repo_id.count("/") > 1 or " " in repo_id:
         raise EyasError(f"{repo_id!r} is not a local path and not a valid hub id (expected 'org/name')")
-    try:
-        from huggingface_hub import snapshot_download
+    weights = [] if head else ["*.safetensors"]
+    local = _from_hub(repo_id, lambda hub: hub.snapshot_download(
+        repo_id, allow_patterns=["*.json", "*.model", "*.txt", "*.jinja", *weights], etag_timeout=10))
+    what = f"hub model {repo_id!r} (downloaded to {local})"
+    if head:
+        from eyas.target.head import load_head
 
-        local = snapshot_download(repo_id, allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja"],
-                                  etag_timeout=10)
+        def fetch(filename: str) -> Path:  # into the same snapshot (its directory name is the commit)
+            return Path(_from_hub(repo_id, lambda hub: hub.hf_hub_download(
+                repo_id, filename, revision=Path(local).name, etag_timeout=10)))
+
+        return load_head(Path(local), repo_id, what, device, dtype, trust_remote_code, fetch=fetch)
+    tokenizer, model = _from_pretrained(local, what, dtype, attn_implementation="sdpa",
+                                        trust_remote_code=trust_remote_code)
+    return _finish(model, tokenizer, repo_id, local, device, dtype)
+
+
+def _from_hub(repo_id: str, call):
+    """call(huggingface_hub); any hub failure becomes one actionable line."""
+    try:
+        import huggingface_hub
+
+        return call(huggingface_hub)
     except Exception as e:  # noqa: BLE001 -- any hub failure becomes the same actionable message
         reason = str(e).strip().splitlines()[0][:160] if str(e).strip() else type(e).__name__
         raise EyasError(
@@ -209,9 +254,6 @@ def _load_hub(repo_id: str, device, dtype, trust_remote_code: bool) -> Target:
             f"without network, download it on another machine and pass its local directory as the target "
             f"(for example --target /models/{repo_id.split('/')[-1]})"
         ) from None
-    tokenizer, model = _from_pretrained(local, f"hub model {repo_id!r} (downloaded to {local})", dtype,
-                                        attn_implementation="sdpa", trust_remote_code=trust_remote_code)
-    return _finish(model, tokenizer, repo_id, local, device, dtype)
 
 
 # ---------------------------------------------------------------- GGUF and the embedded default
