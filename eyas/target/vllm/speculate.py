@@ -1,0 +1,324 @@
+"""`eyas eval --engine vllm`: a draft's acceptance length and speedup measured by vLLM itself.
+
+A second opinion beside eyas's own engine, taken where the model is served. The draft goes to vLLM as an
+EAGLE-3 speculator (`speculative_config` {"method": "eagle3", "model": EXPORT, "num_speculative_tokens": k});
+a checkpoint is first exported in the `vllm` format to a temporary directory. `target.engine` is passed to
+`vllm.LLM` unchanged. Benchmark turns are rendered as `eyas eval` renders them (eyas.speculative.bench), and
+`batch_size` requests go to the engine at once; a conversation's next turn follows the engine's own answer.
+
+vLLM counts drafts, accepted draft tokens and accepted tokens per position per engine, not per request: the
+counters are read before and after each generate call, so with batch size 1 (one turn per call) a request's own
+tau is known, with more only the pooled figures. tau = 1 + accepted / drafts: tokens per verification, as eyas's
+tau_pooled. A plain engine (no draft), started once the speculative ones are shut down, then decodes the same
+contexts in the same batches: tokens/s without the draft, the speedup, and at temperature 0 the turns whose
+output differs from it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import tempfile
+import time
+from pathlib import Path
+
+from eyas.common import EyasError, print0, read_json
+
+# vLLM's counter names (vllm.v1.spec_decode.metrics): per engine, summed over its labels
+DRAFTS = "vllm:spec_decode_num_drafts"
+ACCEPTED = "vllm:spec_decode_num_accepted_tokens"
+PER_POSITION = "vllm:spec_decode_num_accepted_tokens_per_pos"
+_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+
+
+def chain_settings(steps: list[int]) -> list[tuple[str, dict]]:
+    """The settings vLLM runs, named apart from eyas's own results (BENCH-vllm-chain-K.json)."""
+    return [(f"vllm-chain-{k}", {"steps": k}) for k in steps]
+
+
+def served_draft(draft: str | Path, tmp: Path) -> tuple[Path, dict]:
+    """(the directory vLLM loads as the speculator, the draft's meta): an eyas export in the vllm or
+    speculators format as it is, anything else eyas reads exported to `tmp` in the vllm format (fp32: vLLM
+    casts the weights to the engine's dtype)."""
+    from eyas.formats import export, load_draft, resolve_draft_dir
+
+    d = resolve_draft_dir(draft)
+    _, meta = load_draft(d)
+    side = d / "eyas.json"
+    if side.is_file() and read_json(side).get("format") in ("vllm", "speculators"):
+        return d, meta
+    return export(d, tmp / "vllm", "vllm", dtype="fp32"), meta
+
+
+def engine_kwargs(model_dir: str, dtype: str, engine: dict, draft_dir: str | Path | None = None,
+                  k: int = 0) -> dict:
+    """`vllm.LLM`'s keyword arguments: the user's `engine` dict, the dtype (unless it names one), the counters
+    on, and with a draft the EAGLE-3 speculative config."""
+    if "speculative_config" in engine:
+        raise EyasError("target.engine.speculative_config is set by eyas eval --engine vllm (from --draft and "
+                        "--steps); remove it from target.engine")
+    kwargs = {"model": model_dir, "seed": 0, **engine, "disable_log_stats": False}
+    if dtype in _DTYPES and "dtype" not in engine:
+        kwargs["dtype"] = _DTYPES[dtype]
+    if draft_dir is not None:
+        kwargs["speculative_config"] = {"method": "eagle3", "model": str(draft_dir), "num_speculative_tokens": k}
+    return kwargs
+
+
+class ServingEngine:
+    """A started `vllm.LLM` (with a draft or plain) that decodes token ids and reports vLLM's speculative
+    counters per call. A context manager: leaving it shuts the engine down."""
+
+    def __init__(self, model_dir: str, *, dtype: str, engine: dict, draft_dir=None, k: int = 0):
+        from eyas.target.vllm.engine import _cpu_thread_binding, require_vllm
+
+        vllm = require_vllm()
+        self.k = k
+        t0 = time.perf_counter()
+        try:
+            with _cpu_thread_binding(engine):
+                self.llm = vllm.LLM(**engine_kwargs(model_dir, dtype, engine, draft_dir, k))
+        except Exception as e:  # noqa: BLE001 - vLLM reports bad arguments with many types
+            text = str(e).strip().splitlines()
+            what = f"the draft {draft_dir} (k={k})" if draft_dir else "no draft"
+            raise EyasError(f"vLLM could not start on {model_dir} with {what} ({type(e).__name__}: "
+                            f"{text[-1][:300] if text else ''}); check target.engine and the log above") from e
+        print0(f"vLLM {vllm.__version__} engine started in {time.perf_counter() - t0:.1f} s: "
+               f"{f'EAGLE-3 draft {draft_dir}, {k} tokens a cycle' if draft_dir else 'plain decoding'}")
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def close(self) -> None:
+        llm, self.llm = getattr(self, "llm", None), None
+        if llm is not None:
+            with contextlib.suppress(Exception):
+                llm.llm_engine.engine_core.shutdown()
+
+    def counters(self) -> dict:
+        """{"drafts", "accepted", "per_position" [k]} so far (zeros without a draft)."""
+        out = {"drafts": 0, "accepted": 0, "per_position": [0] * self.k}
+        for m in self.llm.get_metrics():
+            if m.name == DRAFTS:
+                out["drafts"] += int(m.value)
+            elif m.name == ACCEPTED:
+                out["accepted"] += int(m.value)
+            elif m.name == PER_POSITION:
+                out["per_position"] = [a + int(b) for a, b in zip(out["per_position"], m.values)]
+        return out
+
+    def generate(self, prompts: list[list[int]], params) -> tuple[list[list[int]], float, dict]:
+        """-> (each prompt's new token ids, seconds, the counters' increase over this call)."""
+        before = self.counters()
+        t0 = time.perf_counter()
+        outs = self.llm.generate([{"prompt_token_ids": list(p)} for p in prompts], params, use_tqdm=False)
+        seconds = time.perf_counter() - t0
+        after = self.counters()
+        delta = {"drafts": after["drafts"] - before["drafts"], "accepted": after["accepted"] - before["accepted"],
+                 "per_position": [a - b for a, b in zip(after["per_position"], before["per_position"])]}
+        return [list(o.outputs[0].token_ids) for o in outs], seconds, delta
+
+
+def sampling(temperature: float, max_new_tokens: int, eos: list[int]):
+    """Greedy at temperature 0, else the full distribution at `temperature` (no top-k, no top-p), as eyas eval."""
+    from vllm import SamplingParams
+
+    return SamplingParams(temperature=temperature, top_p=1.0, top_k=0, max_tokens=max_new_tokens,
+                          stop_token_ids=list(eos), detokenize=False, seed=0 if temperature > 0 else None)
+
+
+def decode_bench(engine: ServingEngine, tokenizer, requests: list[dict], batch_size: int, params,
+                 chat_template_kwargs: dict | None = None) -> tuple[list[dict], list[dict]]:
+    """Every turn of every request, `batch_size` requests a call -> (records [{"id", "turns": [{"prompt_ids",
+    "tokens", "text"}]}], calls [{"turns": [(request, turn)], "seconds", "num_tokens", "drafts", "accepted",
+    "per_position"}])."""
+    from eyas.speculative.bench import encode_turn
+
+    records = [{"id": r["id"], "turns": []} for r in requests]
+    histories: list[list[dict]] = [[] for _ in requests]
+    calls = []
+    for start in range(0, len(requests), batch_size):
+        group = range(start, min(start + batch_size, len(requests)))
+        for j in range(max(len(requests[i]["turns"]) for i in group)):
+            live = [i for i in group if j < len(requests[i]["turns"])]
+            prompts = []
+            for i in live:
+                histories[i].append({"role": "user", "content": requests[i]["turns"][j]})
+                prompts.append(encode_turn(tokenizer, histories[i], chat_template_kwargs))
+            outputs, seconds, counts = engine.generate(prompts, params)
+            for i, ids, tokens in zip(live, prompts, outputs):
+                text = tokenizer.decode(tokens, skip_special_tokens=True)
+                histories[i].append({"role": "assistant", "content": text})
+                turn = {"prompt_ids": ids, "num_prompt_tokens": len(ids), "tokens": tokens, "text": text}
+                if len(live) == 1:  # the call's counters are this turn's own
+                    turn.update(num_cycles=counts["drafts"], num_accepted=counts["accepted"],
+                                accepted_per_position=counts["per_position"])
+                records[i]["turns"].append(turn)
+            calls.append({"turns": [(i, j) for i in live], "seconds": seconds,
+                          "num_tokens": sum(len(t) for t in outputs), **counts})
+    return records, calls
+
+
+def replay(engine: ServingEngine, records: list[dict], calls: list[dict], params) -> dict:
+    """The contexts of `calls` decoded in the same batches -> {"tokens": {(request, turn): ids}, "seconds",
+    "num_tokens"}."""
+    tokens, seconds, num = {}, 0.0, 0
+    for call in calls:
+        outputs, s, _ = engine.generate([records[i]["turns"][j]["prompt_ids"] for i, j in call["turns"]], params)
+        tokens.update(zip(call["turns"], outputs))
+        seconds += s
+        num += sum(len(t) for t in outputs)
+    return {"tokens": tokens, "seconds": seconds, "num_tokens": num}
+
+
+def summarize(records: list[dict], calls: list[dict], plain: dict, k: int, batch_size: int,
+              temperature: float) -> dict:
+    """The headline figures of one benchmark and chain length, named as eyas eval names them."""
+    drafts = sum(c["drafts"] for c in calls)
+    accepted = sum(c["accepted"] for c in calls)
+    per_position = [sum(c["per_position"][p] for c in calls) for p in range(k)]
+    tokens, seconds = sum(c["num_tokens"] for c in calls), sum(c["seconds"] for c in calls)
+    per_request = None
+    if batch_size == 1:  # one turn per call: each request's own counters
+        mine: dict[int, list[int]] = {}
+        for c in calls:
+            d, a = mine.setdefault(c["turns"][0][0], [0, 0]), c["accepted"]
+            d[0], d[1] = d[0] + c["drafts"], d[1] + a
+        taus = [1 + a / d for d, a in mine.values() if d]
+        per_request = sum(taus) / len(taus) if taus else 0.0
+    reached = [drafts, *per_position]
+    summary = {
+        "engine": "vllm", "batch_size": batch_size, "num_requests": len(records), "num_tokens": tokens,
+        "num_cycles": drafts, "num_accepted": accepted,
+        "tau_pooled": 1 + accepted / drafts if drafts else 0.0, "tau_per_request": per_request,
+        "accepted_per_position": per_position,
+        "accept_at_position": [n / drafts if drafts else 0.0 for n in per_position],
+        "accept_at_position_conditional": [reached[p + 1] / reached[p] if reached[p] else 0.0 for p in range(k)],
+        "total_s": seconds, "tokens_per_s": tokens / seconds if seconds else 0.0,
+        "plain_total_s": plain["seconds"], "plain_num_tokens": plain["num_tokens"],
+        "plain_tokens_per_s": plain["num_tokens"] / plain["seconds"] if plain["seconds"] else 0.0,
+    }
+    summary["speedup_vs_plain"] = (summary["tokens_per_s"] / summary["plain_tokens_per_s"]
+                                   if summary["plain_tokens_per_s"] else 0.0)
+    if temperature == 0:
+        differ = {(i, j) for i, r in enumerate(records) for j, t in enumerate(r["turns"])
+                  if plain["tokens"].get((i, j)) != t["tokens"]}
+        summary["plain_mismatches"] = len(differ)  # turns, as eyas eval counts them
+        summary["plain_mismatched_requests"] = len({i for i, _ in differ})
+    return summary
+
+
+def format_table(rows: list[tuple[str, str, dict]]) -> str:
+    head = f"{'bench':<14} {'setting':<14} {'tau':>5} {'accept by position':<24} {'tok/s':>8} {'plain':>8} " \
+           f"{'speedup':>7} {'differ':>6}"
+    lines = [head]
+    for bench, name, s in rows:
+        pos = " ".join(f"{x:.2f}" for x in s["accept_at_position"])
+        differ = s.get("plain_mismatched_requests")
+        lines.append(f"{bench:<14} {name:<14} {s['tau_pooled']:>5.2f} {pos:<24} {s['tokens_per_s']:>8.1f} "
+                     f"{s['plain_tokens_per_s']:>8.1f} {s['speedup_vs_plain']:>6.2f}x "
+                     f"{'-' if differ is None else differ:>6}")
+    return "\n".join(lines)
+
+
+def _check_fits(meta: dict, target, draft) -> None:
+    from eyas.identity import check_target
+
+    dc = meta["draft_config"]
+    if dc["hidden_size"] != target.hidden_size or dc["vocab_size"] != target.vocab_size:
+        raise EyasError(f"draft {draft} was built for hidden size {dc['hidden_size']} and vocab {dc['vocab_size']}, "
+                        f"the target {target.name} has {target.hidden_size} and {target.vocab_size}; "
+                        f"pass the draft's own target with --target")
+    check_target(meta.get("target"), target.identity, what=f"the draft {draft}",
+                 fix="pass the draft's own target with --target")
+
+
+def run(cfg, draft: str | Path, settings: list[tuple[str, dict]], result_path, *, batch_size: int = 1,
+        started: float | None = None) -> dict:
+    """Every benchmark of cfg.eval with every chain setting through vLLM -> RESULT.json at
+    `result_path(bench name, setting)` and summary.json beside it; -> {bench name: {setting: summary}}.
+    One engine per chain length, then one plain engine for all benchmarks."""
+    from eyas.common import atomic_write_json
+    from eyas.data.template import stop_token_ids
+    from eyas.speculative.bench import bench_name, encode_turn, load_bench
+    from eyas.stages.eval import update_summary
+    from eyas.target.vllm.capture import engine_dtype, load_for_engine, model_dir
+    from eyas.target.vllm.engine import require_vllm
+
+    started = time.perf_counter() if started is None else started
+    require_vllm()
+    trees = [name for name, s in settings if "steps" not in s]
+    if trees or not settings:
+        raise EyasError(f"--engine vllm measures chains only (settings {trees or 'none'} given); trees are eyas-only: "
+                        f"drop --tree or use --engine eyas")
+    if batch_size < 1:
+        raise EyasError(f"--batch-size {batch_size}: give at least 1")
+    target = load_for_engine(cfg)  # tokenizer, identity and the directory vLLM loads; vLLM loads its own weights
+    dtype, model, tok = engine_dtype(cfg), model_dir(target), target.tokenizer
+    eos = stop_token_ids(tok, getattr(target.model, "generation_config", None))
+    params = sampling(cfg.eval.temperature, cfg.eval.max_new_tokens, eos)
+    kwargs = cfg.data.chat_template_kwargs
+    benches = {bench_name(b): load_bench(b, cfg.eval.limit) for b in cfg.eval.benches}
+    hello = [encode_turn(tok, [{"role": "user", "content": "Say hello."}], kwargs)]
+    warm = sampling(0.0, 8, eos)
+    print0(f"target {target.name} (vLLM, {dtype}) | draft {draft} | chains {', '.join(n for n, _ in settings)} | "
+           f"batch size {batch_size} | temperature {cfg.eval.temperature} | max new tokens {cfg.eval.max_new_tokens}")
+    spec, wall = {}, {}
+    with tempfile.TemporaryDirectory(prefix="eyas-vllm-draft-") as tmp:
+        draft_dir, meta = served_draft(draft, Path(tmp))
+        served = "a temporary vllm export" if Path(tmp).resolve() in draft_dir.resolve().parents else str(draft_dir)
+        _check_fits(meta, target, draft)
+        for name, setting in settings:
+            t0 = time.perf_counter()
+            with ServingEngine(model, dtype=dtype, engine=cfg.target.engine, draft_dir=draft_dir,
+                               k=setting["steps"]) as engine:
+                engine.generate(hello, warm)
+                spec[name] = {b: decode_bench(engine, tok, reqs, batch_size, params, kwargs)
+                              for b, reqs in benches.items()}
+            wall[name] = time.perf_counter() - t0
+    first = settings[0][0]
+    t0 = time.perf_counter()
+    with ServingEngine(model, dtype=dtype, engine=cfg.target.engine) as engine:  # the baseline, same batches
+        engine.generate(hello, warm)
+        plain = {b: replay(engine, *spec[first][b], params) for b in benches}
+    wall[first] += time.perf_counter() - t0
+    results, rows = {}, []
+    for bench, requests in benches.items():
+        summaries, paths = {}, {}
+        for name, setting in settings:
+            records, calls = spec[name][bench]
+            summary = summarize(records, calls, plain[bench], setting["steps"], batch_size, cfg.eval.temperature)
+            summary["wall_s"] = wall[name] / len(benches)
+            path = Path(result_path(bench, name))
+            path.parent.mkdir(parents=True, exist_ok=True)
+            atomic_write_json(path, {
+                "engine": "vllm",
+                "settings": {"bench": bench, "setting": name, "engine": "vllm", "steps": setting["steps"],
+                             "batch_size": batch_size, "temperature": cfg.eval.temperature,
+                             "max_new_tokens": cfg.eval.max_new_tokens, "limit": cfg.eval.limit,
+                             "target": target.identity, "dtype": dtype, "target_engine": cfg.target.engine,
+                             "draft": str(draft), "served_draft": served,
+                             "aux_layers": meta.get("aux_layers"), "vllm_version": _vllm_version(),
+                             **({"chat_template_kwargs": kwargs} if kwargs else {})},
+                "summary": summary,
+                "calls": [{**c, "turns": [list(t) for t in c["turns"]]} for c in calls],
+                "prompts": records,
+            })
+            summaries[name], paths[(bench, name)] = summary, (path, path.with_suffix(".png"))
+            rows.append((bench, name, summary))
+        started = update_summary(bench, summaries, paths, cfg, str(draft), started)
+        results[bench] = summaries
+    print0(format_table(rows))
+    if any(r[2].get("plain_mismatched_requests") for r in rows):
+        print0("  warning: some requests differ from plain greedy decoding in vLLM (expected 0 in fp32; low "
+               "precision and batching can flip near-ties)")
+    print0(f"results: {', '.join(str(p) for p in (result_path(b, n) for b, n, _ in rows))}")
+    return results
+
+
+def _vllm_version() -> str:
+    import vllm
+
+    return vllm.__version__
