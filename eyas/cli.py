@@ -23,7 +23,7 @@ import time
 import traceback
 
 COMMANDS = {name: f"eyas.commands.{name}" for name in
-            ("run", "prepare", "capture", "train", "eval", "export", "verify", "gpus")}
+            ("run", "prepare", "capture", "train", "eval", "export", "verify", "gpus", "engine")}
 SUMMARIES = {
     "run": "run the whole pipeline (prepare, regenerate, capture, train, eval, export) in a run directory",
     "prepare": "conversations -> token ids, assistant loss masks and the draft vocabulary",
@@ -33,6 +33,7 @@ SUMMARIES = {
     "export": "write the draft for SGLang, vLLM and speculators",
     "verify": "check a store's checksums and recompute samples with the target",
     "gpus": "list the processes holding memory on each GPU",
+    "engine": "serve the target in one vLLM engine that regeneration and capture share (eyas run starts it)",
 }
 
 

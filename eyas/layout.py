@@ -11,6 +11,7 @@
     RUN/logs/<stage>.log   each stage's output
     RUN/report.md          the run report
     RUN/.runner.lock       held by the one runner working in RUN
+    RUN/.engine.sock       the run's vLLM engine (target.backend=vllm) while it serves (+ .key, its key)
     RUN/.eyas.json         the marker of a directory eyas made; each stage's output carries one too (eyas.ownership)
     RUN/.<output>.eyas.lock  held by the one process writing that stage output
 """
@@ -114,6 +115,10 @@ class RunLayout:
     @property
     def lock(self) -> Path:
         return self.run / ".runner.lock"
+
+    @property
+    def engine_socket(self) -> Path:
+        return self.run / ".engine.sock"
 
 
 def eval_result_name(bench: str, setting: str) -> str:

@@ -26,6 +26,13 @@ def add_arguments(parser) -> None:
     parser.add_argument("--token-budget", type=int, help="tokens per forward pass (default: from free memory)")
     parser.add_argument("--shard-tokens", type=int, help="tokens per shard file")
     parser.add_argument("--device", help="auto | cpu | cuda | cuda:N")
+    parser.add_argument("--backend", choices=["hf", "vllm"],
+                        help="who computes the states: hf (transformers in this process, under torchrun one copy per "
+                             "GPU) or vllm (a vLLM engine spreading the target with target.engine, e.g. "
+                             "--set target.engine.tensor_parallel_size=8); default: target.backend of the config")
+    parser.add_argument("--engine-socket", metavar="PATH",
+                        help="with --backend vllm: use the engine `eyas engine` serves at PATH instead of starting one "
+                             "(eyas run passes its engine so that the target is loaded once per run)")
 
 
 def config_from_args(args):
@@ -38,6 +45,8 @@ def config_from_args(args):
         sets.append(f"target.aux_layers={args.layers}")
     if args.device:
         sets.append(f"target.device={args.device}")
+    if args.backend:
+        sets.append(f"target.backend={args.backend}")
     sets += flag_overrides(args, "capture", "dtype", "token_budget", "shard_tokens")
     return load_config(args.config, sets)
 
@@ -45,5 +54,6 @@ def config_from_args(args):
 def main(args) -> int:
     from eyas.stages import capture
 
-    summary = capture.run(config_from_args(args), capture.Inputs(prepared=args.data), args.out)
+    summary = capture.run(config_from_args(args), capture.Inputs(prepared=args.data), args.out,
+                          engine_socket=args.engine_socket)
     return 0 if summary["complete"] else 1

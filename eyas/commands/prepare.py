@@ -58,6 +58,11 @@ def add_arguments(parser) -> None:
     parser.add_argument("--draft-vocab", type=int, metavar="N", help="draft vocabulary size, capped at the target's (default: data.draft_vocab of the config)")
     parser.add_argument("--num-prompts", type=int, metavar="N", help="size of the built-in corpus, without --data (default: data.num_prompts of the config); "
                              "it is made from CPython's own texts, so the prompts depend on the Python version")
+    parser.add_argument("--backend", choices=["hf", "vllm"],
+                        help="who regenerates with --regenerate local: hf (transformers in this process) or vllm (a "
+                             "vLLM engine, target.engine); default: target.backend of the config")
+    parser.add_argument("--engine-socket", metavar="PATH",
+                        help="with --backend vllm: regenerate through the engine `eyas engine` serves at PATH")
     parser.add_argument("--self-prompts", type=int, metavar="N",
                         help="also have the target write N user prompts itself (it continues its chat template's "
                              "opening of a user turn; duplicates and cut-off ones are dropped) and answer them; "
@@ -70,6 +75,8 @@ def config_from_args(args):
     sets = list(args.set)
     if args.target:
         sets.append(f"target.model={args.target}")
+    if args.backend:
+        sets.append(f"target.backend={args.backend}")
     sets += flag_overrides(args, "data", "format", "max_length", "on_long", "strict", "regenerate", "draft_vocab",
                            "num_prompts", "self_prompts")
     if args.data and args.regenerate is None and not any(x.startswith("data.regenerate=") for x in args.set):
@@ -94,7 +101,8 @@ def main(args) -> int:
     check_output_path(args.out, "output directory (--out)")  # Path('') would mean the current directory
     out = Path(args.out)
     try:
-        summary = prepare.run(cfg, prepare.Inputs(data=tuple(cfg.data.data)), out)
+        summary = prepare.run(cfg, prepare.Inputs(data=tuple(cfg.data.data)), out,
+                              engine_socket=args.engine_socket)
         save_config(cfg, out / "config.yaml")
     except OSError as e:  # a full disk or a read-only directory is the user's to fix, not a traceback
         raise EyasError(f"{e.filename or out}: {e.strerror or e}") from None

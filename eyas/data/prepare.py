@@ -145,7 +145,7 @@ def _self_prompts(cfg: RunConfig, target, template: ChatTemplate, out: Path) -> 
 
 
 def _regenerate(cfg: RunConfig, target, template: ChatTemplate, convs: list[Conversation], out: Path,
-                report: _Report) -> tuple[list[Conversation], dict]:
+                report: _Report, engine=None) -> tuple[list[Conversation], dict]:
     """Replace the last assistant turn of each conversation by the target's own response.
 
     Earlier assistant turns of a multi-turn conversation stay as given (and are trained on): each
@@ -156,13 +156,22 @@ def _regenerate(cfg: RunConfig, target, template: ChatTemplate, convs: list[Conv
     for c in convs:
         msgs = c.messages[:-1] if c.messages[-1]["role"] == "assistant" else c.messages
         prompts.append({"id": c.sample_id, "messages": msgs})
+    through = {"backend": "vllm"} if dc.regenerate == "local" and cfg.target.backend == "vllm" else {}
     settings, path = _results_file(out, "regen", cfg, template,
                                    {"target": target.identity, "mode": dc.regenerate,
                                     "max_new_tokens": dc.regen_max_new_tokens, "temperature": dc.regen_temperature,
-                                    "seed": dc.seed})
+                                    "seed": dc.seed, **through})
     todo_ids = {p["id"] for p in pending(prompts, read_results(path))}  # a resumed run generates only these
     t0 = time.perf_counter()
-    if dc.regenerate == "local":
+    if through:
+        from eyas.data.regenerate import regenerate_engine
+
+        if engine is None:
+            raise EyasError("target.backend=vllm regenerates through a vLLM engine, and none was given")
+        results = regenerate_engine(engine, target.tokenizer, prompts, path, template=template,
+                                    max_new_tokens=dc.regen_max_new_tokens, temperature=dc.regen_temperature,
+                                    seed=dc.seed)
+    elif dc.regenerate == "local":
         from eyas.data.regenerate import regenerate_local
 
         results = regenerate_local(target, prompts, path, template=template, max_new_tokens=dc.regen_max_new_tokens,
@@ -267,8 +276,10 @@ def _write_dataset(cols: dict, out: Path) -> None:
     tmp.rename(final)
 
 
-def prepare(cfg: RunConfig, out_dir: str | Path, target) -> dict:
+def prepare(cfg: RunConfig, out_dir: str | Path, target, engine=None) -> dict:
     """Run the whole data stage into `out_dir` with a loaded target; returns the prepare.json summary.
+    `engine` (with target.backend=vllm: an engine with `generate`, eyas.target.vllm) regenerates instead of
+    the target's transformers model.
 
     `data` sits below `target` in the layering, so the caller loads the target
     (eyas.stages.prepare.run does it from cfg.target).
@@ -301,7 +312,7 @@ def prepare(cfg: RunConfig, out_dir: str | Path, target) -> dict:
     _strict_check(cfg, report)
     regen = None
     if cfg.data.regenerate:
-        convs, regen = _regenerate(cfg, target, template, convs, out, report)
+        convs, regen = _regenerate(cfg, target, template, convs, out, report, engine)
     t1 = time.perf_counter()
     cols, token_stats = _tokenize(cfg, template, convs, report)
     tokenize_s = time.perf_counter() - t1

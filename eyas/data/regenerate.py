@@ -551,3 +551,61 @@ def regenerate_local(target, prompts: list[dict], out_path: str | Path, *, templ
         sink.close()
         torch.set_num_threads(saved_threads)
     return done
+
+
+def regenerate_engine(engine, tokenizer, prompts: list[dict], out_path: str | Path, *, template, max_new_tokens: int,
+                      temperature: float = 0.0, seed: int = 0, chunk: int = 256,
+                      on_batch: Callable[[int], None] | None = None) -> dict[str, dict]:
+    """`regenerate_local`'s work through a serving engine (a vLLM ExtractionEngine in this process or the run's
+    engine, eyas.target.vllm.service.RemoteEngine): the same prompt ids (the chat template's inference prompt),
+    stop tokens, sampling settings and results file. `chunk` prompts go to the engine at a time (it batches
+    them by tokens itself), and their results are appended before the next chunk: a crash loses one chunk at
+    most. Each prompt's sampling seed derives from `seed` and its id, so a resumed run samples as one that was
+    never interrupted. A prompt the engine cannot take (longer than its max_model_len) gets no line and is
+    reported by the caller as failed."""
+    done = read_results(out_path)
+    todo = pending(prompts, done)
+    if not todo:
+        return done
+    encoded = [(p, template.prompt_ids(p["messages"])) for p in todo]
+    encoded.sort(key=lambda e: len(e[1]))
+    limit = getattr(engine, "max_model_len", None)
+    if limit:
+        too_long = [p["id"] for p, ids in encoded if len(ids) >= limit]
+        if too_long:
+            warn(f"regeneration: {len(too_long)} prompt(s) are as long as the engine's max_model_len {limit} or longer "
+                 f"and get no response (e.g. {', '.join(map(str, too_long[:3]))}); raise target.engine.max_model_len")
+            encoded = [(p, ids) for p, ids in encoded if len(ids) < limit]
+    sink = ResultsFile(out_path)
+    num_tokens, t0 = 0, time.perf_counter()
+    bar = progress(total=len(prompts), initial=len(prompts) - len(todo), desc="regenerate", unit="sample")
+    try:
+        for start in range(0, len(encoded), chunk):
+            part = encoded[start:start + chunk]
+            outputs = engine.generate([ids for _, ids in part], max_tokens=max_new_tokens, temperature=temperature,
+                                      seeds=[_request_seed(seed, p["id"]) for p, _ in part],
+                                      stop_ids=list(template.stop_ids))
+            records = []
+            for (p, ids), res in zip(part, outputs):
+                records.append({"id": p["id"], "prompt_sha": prompt_sha(p["messages"]),
+                                "response": tokenizer.decode(res["tokens"], skip_special_tokens=True),
+                                "num_prompt_tokens": len(ids), "num_tokens": len(res["tokens"]),
+                                "finish": res["finish"]})
+                num_tokens += len(res["tokens"])
+            sink.append(records)
+            done.update({r["id"]: r for r in records})
+            bar.update(len(records))
+            bar.set_postfix_str(f"{num_tokens / (time.perf_counter() - t0):.1f} tok/s")
+            if on_batch is not None:
+                on_batch(len(done))
+    finally:
+        bar.close()
+        sink.close()
+    return done
+
+
+def _request_seed(seed: int, sample_id) -> int:
+    """A prompt's own sampling seed: the run's seed and the prompt's id, whatever batch it lands in."""
+    from eyas.common import sha256_json
+
+    return int(sha256_json([seed, str(sample_id)])[:8], 16)

@@ -82,6 +82,7 @@ class Runner:
         self.run_id = run_id  # of RUN's marker: recorded by the stage outputs the runner claims
         self.layout = RunLayout(self.run)
         self.state: dict = read_state(self.layout.stages)  # first: another schema is refused, nothing touched
+        self.engine_loads: list[dict] = []  # this run's loads of the target into the engine (the report's)
         self.pool = opts.gpus if opts.gpus is not None else default_pool()
         self.nvml = nvml.available()
         known = {g.index for g in nvml.gpus()} if self.nvml else set(self.pool)
@@ -90,10 +91,13 @@ class Runner:
         self.records: list[dict] = []
         self.jobs: list[Job] = []
         self.summary: list[str] = []
+        self.engine: procs.StageProcess | None = None  # the run's vLLM engine while it serves (target.backend=vllm)
+        self.engine_load: dict | None = None  # its record in RUN/stages.json's "engine_loads"
 
     # -- bookkeeping files
     def _save_state(self) -> None:
-        atomic_write_json(self.layout.stages, {"schema_version": SCHEMA_VERSION, "stages": self.state})
+        atomic_write_json(self.layout.stages, {"schema_version": SCHEMA_VERSION, "stages": self.state,
+                                               "engine_loads": self.engine_loads})
 
     def _save_records(self) -> None:
         atomic_write_json(self.layout.processes,
@@ -193,24 +197,33 @@ class Runner:
         save_config(self.cfg, self.layout.config)
         self._clean_orphans()
         active = [s for s in self.stages if s.when(self.cfg)]
+        # with the engine holding the target on the GPUs, training waits for capture instead of sharing them
+        overlap = self.opts.overlap and self.cfg.target.backend != "vllm"
         i = 0
-        while i < len(active):
-            stage = active[i]
-            action, why, parts = self.decide(stage)
-            if action == "fresh":
-                self._tailers_saw(stage, "replaced")
-            self.log(f"{stage.name}: {'skipped' if action == 'skip' else 'running'} ({why})")
-            if action == "skip":
-                i += 1
-                continue
-            wave = [(stage, action, parts)]
-            partner = active[i + 1] if i + 1 < len(active) else None
-            if partner and partner.tails == stage.name and self.opts.overlap and len(self.pool) >= 2:
-                p_action, p_why, p_parts = self.decide(partner)
-                self.log(f"{partner.name}: running alongside {stage.name}, tailing its output ({p_why})")
-                wave.append((partner, p_action, p_parts))
-            self.run_wave(wave)
-            i += len(wave)
+        try:
+            while i < len(active):
+                stage = active[i]
+                action, why, parts = self.decide(stage)
+                if action == "fresh":
+                    self._tailers_saw(stage, "replaced")
+                self.log(f"{stage.name}: {'skipped' if action == 'skip' else 'running'} ({why})")
+                if action == "skip":
+                    i += 1
+                    continue
+                wave = [(stage, action, parts)]
+                partner = active[i + 1] if i + 1 < len(active) else None
+                if partner and partner.tails == stage.name and overlap and len(self.pool) >= 2:
+                    p_action, p_why, p_parts = self.decide(partner)
+                    self.log(f"{partner.name}: running alongside {stage.name}, tailing its output ({p_why})")
+                    wave.append((partner, p_action, p_parts))
+                if any(self._uses_engine(s) for s, _, _ in wave):
+                    self._start_engine()
+                elif self.engine is not None:  # no later stage needs the target: its GPUs go to training
+                    self._stop_engine()
+                self.run_wave(wave)
+                i += len(wave)
+        finally:
+            self._stop_engine()
 
     def run_wave(self, wave: list[tuple[Stage, str, dict[str, str]]]) -> None:
         self.jobs = []
@@ -218,6 +231,9 @@ class Runner:
             devices = self.devices_for(stage, n, len(wave))
             ctx = Ctx(self.cfg, self.run, len(devices), action == "resume", tail=n > 0)
             cmds = [c for c in stage.commands(ctx) if not (action == "resume" and c.out and Path(c.out).exists())]
+            if self.engine is not None and self._uses_engine(stage):
+                cmds = [Cmd([*c.argv, "--engine-socket", str(self.engine_socket())], c.out) for c in cmds]
+                self.engine_load["served"].append(stage.name)
             ownership.claim(self.run / stage.writes, stage.name, self.run_id)
             rec = self.state.setdefault(stage.name, {})
             if n > 0:  # tailing wave[0]'s output, which grows meanwhile
@@ -265,10 +281,96 @@ class Runner:
         timeout = job.stage.timeout_s or self.opts.stage_timeout
         job.deadline = time.monotonic() + timeout if timeout else math.inf
 
+    # -- the run's engine: the target loaded once for the stages that need it
+    def _uses_engine(self, stage: Stage) -> bool:
+        if self.cfg.target.backend != "vllm":
+            return False
+        return stage.name == "capture" or (stage.name == "prepare" and self.cfg.data.regenerate == "local")
+
+    def engine_socket(self) -> Path:
+        """RUN/.engine.sock, or where a run directory's path is too long for a Unix socket (about 107 bytes), a
+        socket in a private directory of the system's temporary directory."""
+        sock = self.layout.engine_socket.absolute()
+        if len(str(sock)) <= 100:
+            return sock
+        if getattr(self, "_short_socket", None) is None:
+            import tempfile
+
+            self._short_socket = Path(tempfile.mkdtemp(prefix="eyas-engine-")) / "engine.sock"
+        return self._short_socket
+
+    def _start_engine(self) -> None:
+        """Start `eyas engine` in its own process group (recorded like a stage: a later runner ends an orphan)
+        and wait until it serves; the load's figures go to RUN/stages.json for the report."""
+        if self.engine is not None:
+            return
+        sock, log = self.engine_socket(), self.layout.log("engine")
+        argv = [sys.executable, "-m", "eyas", "engine", "--config", str(self.layout.config), "--socket", str(sock)]
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        if self.pool:
+            env.update(CUDA_VISIBLE_DEVICES=",".join(map(str, self.pool)), CUDA_DEVICE_ORDER="PCI_BUS_ID")
+        log.parent.mkdir(parents=True, exist_ok=True)
+        with open(log, "a") as f:
+            f.write(f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S')} {' '.join(argv)}\n")
+        job = Job(Stage("engine", (), "", (), "all", lambda ctx: []), [], list(self.pool))
+        job.log_pos = log.stat().st_size
+        self.log(f"engine: loading the target into vLLM once for the stages that need it (log: {log})")
+        with procs.signals_deferred():
+            self.engine = job.proc = procs.launch("engine", argv, env, log, list(self.pool))
+            self.records.append(self.engine.record())
+            self._save_records()
+        t0 = time.monotonic()
+        self.engine_load = {"started_at": time.time(), "ready_s": None, "engine_start_s": None, "served": []}
+        self.engine_loads.append(self.engine_load)
+        deadline = t0 + (self.opts.stage_timeout or math.inf)
+        while not sock.exists():
+            self._echo(job)
+            if self.engine.exited() or time.monotonic() > deadline:
+                self._echo(job)
+                why = "timed out" if not self.engine.exited() else "exited before it served"
+                self._stop_engine()
+                raise StageFailed(f"the vLLM engine {why}; log: {log}" + _log_tail(log))
+            time.sleep(POLL_S)
+        self._echo(job)
+        from eyas.target.vllm.service import RemoteEngine
+
+        with RemoteEngine(sock, wait_s=5.0) as engine:
+            self.engine_load.update(ready_s=round(time.monotonic() - t0, 3), engine_start_s=round(engine.start_s, 3))
+        self._save_state()
+        self.log(f"engine: serving on {sock} after {self.engine_load['ready_s']:.1f} s (vLLM's start "
+                 f"{self.engine_load['engine_start_s']:.1f} s)")
+
+    def _stop_engine(self) -> None:
+        """End the engine's process group (SIGTERM, then SIGKILL after the grace) and wait for its GPU memory."""
+        proc, self.engine = self.engine, None
+        if proc is None:
+            return
+        with procs.signals_deferred():
+            result = procs.teardown(proc, self.opts.grace_s)
+            if not result.left:
+                self._mark_ended(proc)
+        if result.killed or result.left:
+            self.log(result.message())
+        self.engine_load["stopped_at"] = time.time()
+        self._save_state()
+        short = getattr(self, "_short_socket", None)
+        if short is not None:  # the private directory made for the socket: the engine removed what it held
+            import shutil
+
+            shutil.rmtree(short.parent, ignore_errors=True)
+            self._short_socket = None
+        leak = nvml.wait_released(proc.devices, proc.seen, None, 0.0, self.opts.release_timeout_s) if self.nvml else None
+        if leak:
+            raise EyasError(f"the vLLM engine was ended but its GPU memory was not released:\n{leak}")
+        self.log("engine: stopped")
+
     def _check_gpus(self, job: Job) -> None:
         if not job.devices or not self.nvml:
             return
         ours = {os.getpid()} | {p for j in self.jobs if j.proc for p in j.proc.seen | {j.proc.pid}}
+        if self.engine is not None:
+            self.engine.seen.update(procs.members(self.engine.pid, self.engine.start, self.engine.token))
+            ours |= self.engine.seen
         foreign = [h for h in nvml.holders(job.devices) if h.pid not in ours]
         if foreign and self.opts.wait_for_gpus > 0:
             self.log(f"{job.stage.name}: waiting up to {self.opts.wait_for_gpus:.0f} s for other processes "

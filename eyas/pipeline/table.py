@@ -70,7 +70,9 @@ def _prepare(ctx: Ctx) -> list[Cmd]:
 
 def _capture(ctx: Ctx) -> list[Cmd]:
     layout = ctx.layout
-    return [Cmd(eyas_argv(ctx, "capture", "--data", str(layout.prepared), "--out", str(layout.store), dist=True))]
+    # through vLLM one process captures: the engine spreads the target over the GPUs itself
+    dist = ctx.cfg.target.backend != "vllm"
+    return [Cmd(eyas_argv(ctx, "capture", "--data", str(layout.prepared), "--out", str(layout.store), dist=dist))]
 
 
 def _train(ctx: Ctx) -> list[Cmd]:

@@ -49,7 +49,7 @@ class _Plan:
     manifest: dict
 
 
-def run(cfg, inputs: Inputs, out: str | Path, *, target=None) -> dict:
+def run(cfg, inputs: Inputs, out: str | Path, *, target=None, engine_socket: str | None = None) -> dict:
     """Capture `inputs.prepared` into the store `out` (resuming what is committed there); returns the summary.
     Rank 0 holds the store's lock meanwhile (eyas.ownership): a second capture into it stops at once."""
     from eyas.target import load_target
@@ -58,15 +58,20 @@ def run(cfg, inputs: Inputs, out: str | Path, *, target=None) -> dict:
     try:
         with writing(out, "capture", lead=rank == 0) as store:
             prepared = load_prepared_arrays(inputs.prepared)
+            if cfg.target.backend == "vllm":
+                if target is None:
+                    from eyas.target.vllm.capture import load_for_engine
+
+                    target = load_for_engine(cfg)  # its identity, head and norm: the engine computes the states
+                return _capture_vllm(cfg, prepared, store, target, world, engine_socket)
+            if engine_socket:
+                raise EyasError("--engine-socket needs target.backend=vllm (the engine is vLLM's)")
             if target is None:
                 device = cfg.target.device
                 if world > 1 and device == "auto" and torch.cuda.is_available():
                     device = f"cuda:{local_rank}"
-                target = load_target(cfg.target.model, device="cpu" if cfg.target.backend == "vllm" else device,
-                                     dtype=cfg.target.dtype,  # with vLLM, only its identity, head and norm
+                target = load_target(cfg.target.model, device=device, dtype=cfg.target.dtype,
                                      trust_remote_code=cfg.target.trust_remote_code)
-            if cfg.target.backend == "vllm":
-                return _capture_vllm(cfg, prepared, store, target, world)
             return _capture(cfg, prepared, store, target, rank, world)
     finally:
         if owned:
@@ -108,17 +113,26 @@ def _plan(cfg, prepared: Prepared, store: Path, target, features: FeatureCapture
     return _Plan(shards, done, todo, dtype, budget, manifest)
 
 
-def _capture_vllm(cfg, prepared: Prepared, store: Path, target, world: int) -> dict:
+def _capture_vllm(cfg, prepared: Prepared, store: Path, target, world: int, engine_socket: str | None) -> dict:
     """The same capture with the states from a vLLM engine (target.backend=vllm), which spreads the target over
-    its devices itself (target.engine); a sample the engine would refuse stops it before anything is written."""
-    from eyas.target.vllm.capture import extraction
+    its devices itself (target.engine): the run's engine at `engine_socket` (eyas.target.vllm.service), or one
+    started here for this capture. A sample the engine would refuse stops it before anything is written; an
+    engine that dies stops it naming the engine, with the committed shards intact for a resume."""
+    from eyas.target.vllm.capture import connect, engine_dtype, extraction
 
     if world > 1:
         raise EyasError("target.backend=vllm captures from one process (the engine spreads the target with "
                         "target.engine.tensor_parallel_size and the like); start it without torchrun")
     _check_prepared(prepared, target)  # before the engine's start, which takes a while
-    with extraction(target, cfg.target.aux_layers, dtype=cfg.target.dtype, engine=cfg.target.engine,
-                    states_dir=store / ".vllm-states") as features:
+    if engine_socket:
+        print0(f"capture: using the engine on {engine_socket}")
+        features = connect(engine_socket, target, cfg.target.aux_layers)
+        session = contextlib.closing(features.engine)
+    else:
+        session = extraction(target, cfg.target.aux_layers, dtype=engine_dtype(cfg), engine=cfg.target.engine,
+                             states_dir=store / ".vllm-states")
+    with session as opened:
+        features = features if engine_socket else opened
         limit = features.engine.max_model_len
         too_long = [i for i, n in enumerate(prepared.lengths) if n >= limit]
         if too_long:
@@ -126,7 +140,17 @@ def _capture_vllm(cfg, prepared: Prepared, store: Path, target, world: int) -> d
             raise EyasError(f"{len(too_long)} sample(s) of {prepared.path} are too long for the vLLM engine (max_model_len "
                             f"{limit}, one token is generated): {names}{', ...' if len(too_long) > 5 else ''}; raise "
                             f"target.engine.max_model_len or re-run `eyas prepare` with a lower data.max_length")
-        return _capture(cfg, prepared, store, target, 0, 1, features)
+        try:
+            return _capture(cfg, prepared, store, target, 0, 1, features)
+        except EyasError:
+            raise
+        except Exception as e:  # noqa: BLE001 - vLLM's EngineDeadError and what a dying engine raises
+            if "EngineDead" not in type(e).__name__ and "engine" not in str(e).lower():
+                raise
+            committed = len(committed_shards(store, read_manifest(store)))
+            raise EyasError(f"the vLLM engine died during capture ({type(e).__name__}: {str(e).strip()[:200]}); "
+                            f"the {committed} committed shard(s) of {store} are intact: rerun the same command to "
+                            f"resume") from e
 
 
 def _capture(cfg, prepared: Prepared, store: Path, target, rank: int, world: int, features=None) -> dict:

@@ -79,42 +79,10 @@ class VllmFeatures:
 
     def capture(self, prompts: list[list[int]]) -> Captured:
         out = Captured()
-        todo = []
-        for i, ids in enumerate(prompts):
-            if len(ids) >= self.engine.max_model_len:
-                out.refused[i] = (f"{len(ids)} tokens, the engine takes at most {self.engine.max_model_len - 1} "
-                                  f"(max_model_len {self.engine.max_model_len} less the one token it generates)")
-            elif len(ids) == 0:
-                out.refused[i] = "an empty prompt"
-            else:
-                todo.append(i)
-        try:
-            paths = self._generate([prompts[i] for i in todo])
-        except ValueError:  # one prompt the engine refuses fails the call: find it, run the rest
-            paths = []
-            for i in list(todo):
-                try:
-                    paths += self._generate([prompts[i]])
-                except ValueError as e:
-                    out.refused[i] = str(e).strip().splitlines()[0][:200]
-                    todo.remove(i)
-        for i, path in zip(todo, paths):
+        paths, out.refused = self.engine.extract(prompts)
+        for i, path in paths.items():
             out.states[i] = self._split(read_states(path), len(prompts[i]))
         return out
-
-    def _generate(self, prompts: list[list[int]]) -> list[str]:
-        from vllm import SamplingParams
-        from vllm.inputs import TokensPrompt
-
-        params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
-        outputs = self.engine.llm.generate([TokensPrompt(prompt_token_ids=list(map(int, p))) for p in prompts],
-                                           params, use_tqdm=False)
-        paths = []
-        for output in outputs:
-            params_out = output.kv_transfer_params or {}
-            assert "hidden_states_path" in params_out, f"request {output.request_id} came back without its states"
-            paths.append(params_out["hidden_states_path"])
-        return paths
 
     @torch.inference_mode()
     def _split(self, states: torch.Tensor, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -140,6 +108,50 @@ def model_dir(target) -> str:
         target.tokenizer.save_pretrained(tmp)
         os.replace(tmp, out)
     return str(out)
+
+
+def engine_dtype(cfg) -> str:
+    """The dtype the engine computes in: target.dtype, where `auto` is bf16 on a GPU and fp32 on the CPU (vLLM's
+    own `auto` would take the checkpoint's, which the store could not name before the engine starts)."""
+    if cfg.target.dtype != "auto":
+        return cfg.target.dtype
+    return "bf16" if torch.cuda.is_available() else "fp32"
+
+
+def load_for_engine(cfg):
+    """The target as capture through vLLM needs it in this process (identity, config, tokenizer, final norm and
+    head, on the CPU in the engine's dtype); the engine loads the weights itself."""
+    from eyas.target import load_target
+
+    return load_target(cfg.target.model, device="cpu", dtype=engine_dtype(cfg),
+                       trust_remote_code=cfg.target.trust_remote_code)
+
+
+def start_engine(cfg, *, target=None, states_dir=None):
+    """An ExtractionEngine for the config's target (target.aux_layers, target.engine, the engine's dtype)."""
+    from eyas.layers import resolve_aux_layers
+    from eyas.target.vllm.engine import ExtractionEngine, require_vllm
+
+    require_vllm()
+    target = target or load_for_engine(cfg)
+    ids = resolve_aux_layers(cfg.target.aux_layers, target.num_layers)
+    return ExtractionEngine(model_dir(target), ids, target.num_layers, dtype=engine_dtype(cfg),
+                            engine=cfg.target.engine, states_dir=states_dir)
+
+
+def connect(socket_path, target, aux_layers: list[int] | None) -> VllmFeatures:
+    """`VllmFeatures` on the engine served at `socket_path` (eyas.target.vllm.service), which must extract the
+    layers this config asks for."""
+    from eyas.layers import resolve_aux_layers
+    from eyas.target.vllm.service import RemoteEngine
+
+    engine = RemoteEngine(socket_path)
+    want = [*resolve_aux_layers(aux_layers, target.num_layers), target.num_layers]
+    if engine.layer_ids != want:
+        engine.close()
+        raise EyasError(f"the engine on {socket_path} extracts layers {engine.layer_ids}, this capture needs {want} "
+                        f"(target.aux_layers): start the engine with this config")
+    return VllmFeatures(engine, target.norm, target)
 
 
 def start_features(target, aux_layers: list[int] | None, *, dtype: str = "auto", engine: dict | None = None,

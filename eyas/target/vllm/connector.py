@@ -25,6 +25,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connecto
 )
 
 CONNECTOR_NAME = "EyasHiddenStatesConnector"
+NO_STATES = "eyas_no_states"  # eyas.target.vllm.engine.NO_STATES (this module must not import eyas's engine)
 
 
 class EyasHiddenStatesConnector(ExampleHiddenStatesConnector):
@@ -33,6 +34,17 @@ class EyasHiddenStatesConnector(ExampleHiddenStatesConnector):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self._copied: set[str] = set()  # requests whose states were copied out of the cache this run
+
+    def build_connector_meta(self, scheduler_output):
+        """The example's, less the requests that asked for no states (generation through the same engine):
+        without a file name they are never saved (request_finished frees their blocks at once)."""
+        meta = super().build_connector_meta(scheduler_output)
+        for new_req in scheduler_output.scheduled_new_reqs:
+            extra = (new_req.sampling_params.extra_args or {}) if new_req.sampling_params else {}
+            if (extra.get("kv_transfer_params") or {}).get(NO_STATES):
+                self._request_filenames.pop(new_req.req_id, None)
+                meta.new_req_filenames.pop(new_req.req_id, None)
+        return meta
 
     def _submit_async_write(self, pending) -> None:
         if not self._is_tp_rank_zero:

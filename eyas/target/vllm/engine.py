@@ -30,6 +30,20 @@ CONNECTOR_NAME = "EyasHiddenStatesConnector"
 # what extraction needs from the engine; a user value that differs is refused
 _FORCED = {"enable_chunked_prefill": False, "enable_prefix_caching": False}
 _DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+# a request's kv_transfer_params key that tells eyas's connector not to write its states (generation)
+NO_STATES = "eyas_no_states"
+
+
+def _version() -> str:
+    import vllm
+
+    return str(getattr(vllm, "__version__", "?"))
+
+
+def _token_prompts(prompts: list[list[int]]) -> list:
+    from vllm.inputs import TokensPrompt
+
+    return [TokensPrompt(prompt_token_ids=[int(t) for t in p]) for p in prompts]
 
 
 def _install_hint() -> str:
@@ -143,6 +157,73 @@ class ExtractionEngine:
         self.max_model_len = int(self.llm.llm_engine.model_config.max_model_len)
         print0(f"vLLM {vllm.__version__} engine started in {self.start_s:.1f} s: layers {self.layer_ids} "
                f"(HF ids; {self.layer_ids[-1]} before the final norm), max_model_len {self.max_model_len}")
+
+    # -- the requests (the same calls as eyas.target.vllm.service.RemoteEngine's)
+    def info(self) -> dict:
+        return {"layer_ids": self.layer_ids, "max_model_len": self.max_model_len, "start_s": self.start_s,
+                "vllm_version": _version()}
+
+    def extract(self, prompts: list[list[int]]) -> tuple[dict[int, str], dict[int, str]]:
+        """Prefill each prompt (max_tokens=1) and have the connector write its states; -> ({index: file},
+        {index: why the engine refused it}). A prompt that is empty, as long as max_model_len or longer, or
+        otherwise refused by vLLM is named, never dropped."""
+        paths, refused, todo = {}, {}, []
+        for i, ids in enumerate(prompts):
+            if len(ids) >= self.max_model_len:
+                refused[i] = (f"{len(ids)} tokens, the engine takes at most {self.max_model_len - 1} "
+                              f"(max_model_len {self.max_model_len} less the one token it generates)")
+            elif len(ids) == 0:
+                refused[i] = "an empty prompt"
+            else:
+                todo.append(i)
+        try:
+            got = self._extract([prompts[i] for i in todo])
+        except ValueError:  # one prompt the engine refuses fails the call: find it, run the rest
+            got = []
+            for i in list(todo):
+                try:
+                    got += self._extract([prompts[i]])
+                except ValueError as e:
+                    refused[i] = str(e).strip().splitlines()[0][:200]
+                    todo.remove(i)
+        paths.update(zip(todo, got))
+        return paths, refused
+
+    def _extract(self, prompts: list[list[int]]) -> list[str]:
+        from vllm import SamplingParams
+
+        params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
+        paths = []
+        for output in self.llm.generate(_token_prompts(prompts), params, use_tqdm=False):
+            sent = output.kv_transfer_params or {}
+            assert "hidden_states_path" in sent, f"request {output.request_id} came back without its states"
+            paths.append(sent["hidden_states_path"])
+        return paths
+
+    def generate(self, prompts: list[list[int]], *, max_tokens: int, temperature: float = 0.0,
+                 seeds: list[int] | None = None, stop_ids: list[int] = ()) -> list[dict]:
+        """Decode each prompt: [{tokens, finish: "stop"|"length"}] in input order, the stop token not in
+        `tokens` (as eyas's local regeneration). Stops only at `stop_ids` (the chat template's end-of-turn
+        tokens), not at the tokenizer's own EOS, so both paths stop where the template's turn ends. No
+        states are written for these requests. `seeds` (one per prompt) make sampling independent of
+        batching; vLLM's generation with the extraction drafter is exact (its proposal is the sampled token,
+        verified like any draft)."""
+        from vllm import SamplingParams
+
+        seeds = seeds if seeds is not None else list(range(len(prompts)))
+        params = [SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=seed, ignore_eos=True,
+                                 stop_token_ids=list(stop_ids), detokenize=False,
+                                 extra_args={"kv_transfer_params": {NO_STATES: True}})
+                  for seed in seeds]
+        results = []
+        for output in self.llm.generate(_token_prompts(prompts), params, use_tqdm=False):
+            out = output.outputs[0]
+            tokens = list(out.token_ids)
+            finish = "stop" if out.finish_reason == "stop" else "length"
+            if finish == "stop" and tokens and tokens[-1] in stop_ids:
+                tokens.pop()
+            results.append({"tokens": tokens, "finish": finish})
+        return results
 
     def __enter__(self):
         return self

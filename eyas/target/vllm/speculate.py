@@ -244,7 +244,8 @@ def run(cfg, draft: str | Path, settings: list[tuple[str, dict]], result_path, *
     from eyas.data.template import stop_token_ids
     from eyas.speculative.bench import bench_name, encode_turn, load_bench
     from eyas.stages.eval import update_summary
-    from eyas.target.vllm.capture import engine_dtype, load_for_engine, model_dir
+    from eyas.target import load_target
+    from eyas.target.vllm.capture import engine_dtype, model_dir
     from eyas.target.vllm.engine import require_vllm
 
     started = time.perf_counter() if started is None else started
@@ -255,8 +256,11 @@ def run(cfg, draft: str | Path, settings: list[tuple[str, dict]], result_path, *
                         f"drop --tree or use --engine eyas")
     if batch_size < 1:
         raise EyasError(f"--batch-size {batch_size}: give at least 1")
-    target = load_for_engine(cfg)  # tokenizer, identity and the directory vLLM loads; vLLM loads its own weights
-    dtype, model, tok = engine_dtype(cfg), model_dir(target), target.tokenizer
+    dtype = engine_dtype(cfg)
+    # the tokenizer, the identity and the directory vLLM loads: the decoder layers stay unread (vLLM loads them)
+    target = load_target(cfg.target.model, device="cpu", dtype=dtype, trust_remote_code=cfg.target.trust_remote_code,
+                         weights="head")
+    model, tok = model_dir(target), target.tokenizer
     eos = stop_token_ids(tok, getattr(target.model, "generation_config", None))
     params = sampling(cfg.eval.temperature, cfg.eval.max_new_tokens, eos)
     kwargs = cfg.data.chat_template_kwargs
