@@ -55,9 +55,9 @@ def _config_to_build(config):
     return text
 
 
-def head_keys(model) -> dict[str, list[tuple[object, str]]]:
-    """{checkpoint name: [(module, parameter name), ...]} of the head's parameters, a tied embedding once
-    (under each of its names), e.g. {'model.embed_tokens.weight': [(embed, 'weight'), (lm_head, 'weight')]}."""
+def head_keys(model) -> dict[str, list[tuple[str, object, str]]]:
+    """{name: [(name, module, parameter name), ...]} of the head's parameters, a tied embedding once under each
+    of its names, e.g. {'model.embed_tokens.weight': [(.., embed, 'weight'), ('lm_head.weight', lm_head, 'weight')]}."""
     names = {module: name for name, module in model.named_modules()}
     by_param: dict[int, list] = {}
     for module in (model.get_input_embeddings(), model.model.norm, model.get_output_embeddings()):

@@ -121,6 +121,22 @@ def test_missing_head_tensor_is_a_one_line_error(tmp_path):
     assert "\n" not in str(e.value) and "model.norm.weight" in str(e.value)
 
 
+def test_quantized_checkpoint_builds_without_its_quantizer(tmp_path):
+    """quantization_config names a method no installed package provides: the head load does not need it."""
+    from transformers import AutoConfig
+
+    directory = _save_tiny(tmp_path / "tiny", tied=False, shard=None)
+    plain = load_target(str(directory), device="cpu", dtype="fp32", weights="head")
+    config = json.loads((directory / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "no-such-quantizer", "bits": 4}
+    (directory / "config.json").write_text(json.dumps(config))
+    head = load_target(str(directory), device="cpu", dtype="fp32", weights="head")
+    torch.testing.assert_close(head.lm_head.weight, plain.lm_head.weight, rtol=0, atol=0)
+    assert head.identity["config_hash"] == config_hash(AutoConfig.from_pretrained(directory))
+    assert head.identity["config_hash"] != plain.identity["config_hash"]
+    assert head.config.quantization_config["quant_method"] == "no-such-quantizer"
+
+
 def test_weights_must_be_all_or_head():
     with pytest.raises(ValueError, match="weights"):
         load_target("tiny", weights="layers")
@@ -181,6 +197,24 @@ def test_head_of_a_multimodal_checkpoint(tmp_path, quantized):
     # the identity hashes the checkpoint's whole config, quantization included
     assert head.identity["config_hash"] == config_hash(AutoConfig.from_pretrained(tmp_path / "kimi"))
     assert hasattr(head.config, "quantization_config") == quantized
+
+
+@pytest.mark.parametrize("quantized", [False, True], ids=["plain", "compressed-tensors"])
+def test_multimodal_head_matches_transformers_full_load(tmp_path, quantized):
+    """transformers reads the whole multimodal model (its own key renames, its quantizer): same head, same hash."""
+    from transformers import AutoModelForImageTextToText
+
+    if quantized:
+        pytest.importorskip("compressed_tensors")
+    _save_kimi_like(tmp_path / "kimi", quantized=quantized)
+    head = load_target(str(tmp_path / "kimi"), device="cpu", dtype="fp32", weights="head")
+    # the made-up vision tower does not fit the vision config, and is beside the point here
+    full = AutoModelForImageTextToText.from_pretrained(tmp_path / "kimi", dtype=torch.float32,
+                                                       ignore_mismatched_sizes=True)
+    assert head.identity["config_hash"] == config_hash(full.config)
+    torch.testing.assert_close(head.embed_tokens.weight, full.get_input_embeddings().weight, rtol=0, atol=0)
+    torch.testing.assert_close(head.lm_head.weight, full.get_output_embeddings().weight, rtol=0, atol=0)
+    torch.testing.assert_close(head.norm.weight, full.model.language_model.norm.weight, rtol=0, atol=0)
 
 
 def test_multimodal_quantization_changes_the_identity(tmp_path):
