@@ -238,6 +238,24 @@ class TrainConfig:
     grad_clip: float = 0.5
     weight_decay: float = 0.0
     loss_decay: float = 0.8  # weight of step k is loss_decay**k
+    # the per-position loss: kl (soft cross-entropy against the target, i.e. forward KL) | lk_alpha (-log of the
+    # acceptance rate alpha = sum min(p, q)) | lk_hybrid (exp(-lk_eta*alpha) KL + the rest (1 - alpha)): the LK
+    # losses of arXiv 2602.23881, which train for acceptance directly (docs/ALGORITHM.md section 3)
+    loss: str = "kl"
+    lk_eta: float = 3.0
+    # three departures from EAGLE's and SpecForge's reference loss, off by default (docs/ALGORITHM.md section 3):
+    # true drops positions whose target top-1 token is outside the draft vocabulary (the reference does)
+    mask_oov_target: bool = False
+    # whose loss_mask counts a prediction: predicted (the predicted token's) | position (the token at the step's
+    # own position, two before the predicted one: the reference's)
+    loss_mask_token: str = "predicted"
+    # a step's loss averaged over its counted positions (counted) | over all B*T positions of the batch (all: the
+    # reference's)
+    loss_norm: str = "counted"
+    # EAGLE 3.1 draft layout, served by vLLM, SGLang and speculators (docs/ALGORITHM.md section 2): an RMSNorm per
+    # aux state before fc; the normed output fed back as the next step's hidden input
+    fc_norm: bool = False
+    norm_output: bool = False
     dtype: str = "auto"  # auto (bf16 autocast on CUDA, fp32 on CPU) | fp32 | bf16
     fsdp: bool = False
     seed: int = 0
@@ -265,6 +283,12 @@ class TrainConfig:
         _one_of("train.attention", self.attention, ("dense", "flex", "reference"))
         _one_of("train.features", self.features, ("fused", "last"))
         _one_of("train.dtype", self.dtype, ("auto", "fp32", "bf16"))
+        _one_of("train.loss", self.loss, ("kl", "lk_alpha", "lk_hybrid"))
+        _one_of("train.loss_mask_token", self.loss_mask_token, ("predicted", "position"))
+        _one_of("train.loss_norm", self.loss_norm, ("counted", "all"))
+        if not 0 <= self.lk_eta <= 100:
+            raise ConfigError(f"train.lk_eta={self.lk_eta!r} must lie in [0, 100]: the KL weight of train.loss="
+                              f"lk_hybrid is exp(-lk_eta * acceptance); 0 is pure KL, the LK paper uses 3")
         if not 1 <= self.ttt <= MAX_TTT:
             raise ConfigError(f"train.ttt={self.ttt!r} must lie in [1, {MAX_TTT}]: each training-time-test step "
                               f"keeps its activations for the backward pass, so memory grows with ttt "

@@ -9,7 +9,7 @@ API (stable; the trainer, the speculative-decoding engine and the exporters code
 
     h0 = draft.fuse(aux_hidden)                               # [B, T, A*H] -> [B, T, H]
     out = draft(hidden, input_ids, position_ids, past_key_values=None, attention_mask=None)
-    out.hidden_out       # [B, T, H] pre-norm output, the next step's `hidden`
+    out.hidden_out       # [B, T, H] the next step's `hidden`: the pre-norm output (normed with cfg.norm_output)
     out.logits           # [B, T, Vd]
     out.past_key_values  # DraftCache: (k, v)-like, each [B, num_key_value_heads, S_past + T, head_dim]
     draft.to_target_ids(draft_ids)                            # draft_ids + d2t[draft_ids]
@@ -27,7 +27,8 @@ API (stable; the trainer, the speculative-decoding engine and the exporters code
 - `state_dict()` keys are the export keys: fc.weight, embed_tokens.weight, layers.0.hidden_norm.weight,
   layers.0.input_layernorm.weight, layers.0.self_attn.{q,k,v,o}_proj.weight,
   layers.0.post_attention_layernorm.weight, layers.0.mlp.{gate,up,down}_proj.weight, norm.weight,
-  lm_head.weight, and the buffers d2t (int64 [Vd]) and t2d (bool [V]). Until `set_vocab` is called the
+  lm_head.weight, and the buffers d2t (int64 [Vd]) and t2d (bool [V]); with `cfg.fc_norm` also
+  fc_norm.{0..A-1}.weight (one RMSNorm per aux state, applied in `fuse`). Until `set_vocab` is called the
   draft vocabulary is the first Vd target ids (d2t = 0).
 - `rope_cos_sin(cfg, position_ids, dtype, inv_freq=None)` -> cos, sin [B, T, head_dim] and
   `apply_rope(x, cos, sin)` for x [B, heads, T, head_dim]; rope types default, linear and llama3. The

@@ -24,6 +24,11 @@ class DraftConfig:
     draft_vocab_size: int  # Vd <= V
     num_aux_layers: int = 3  # A: fc maps A*H -> H
     hidden_act: str = "silu"
+    # EAGLE 3.1 layout switches, read by vLLM, SGLang and speculators under these names (docs/ALGORITHM.md
+    # section 2). fc_norm: an RMSNorm of its own on each aux state before fc; norm_output: the next step's
+    # hidden input is the normed output (the lm_head's input) instead of the pre-norm one
+    fc_norm: bool = False
+    norm_output: bool = False
 
     def __post_init__(self):
         if self.num_attention_heads % self.num_key_value_heads:
@@ -35,6 +40,9 @@ class DraftConfig:
             raise ValueError(f"num_aux_layers={self.num_aux_layers} must be >= 1")
         if self.head_dim % 2:
             raise ValueError(f"head_dim={self.head_dim} must be even for rotary embeddings")
+        for name in ("fc_norm", "norm_output"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name}={getattr(self, name)!r} must be true or false")
         if self.hidden_act not in ("silu", "gelu", "gelu_pytorch_tanh"):
             raise ValueError(f"hidden_act={self.hidden_act!r} is not supported (silu, gelu, gelu_pytorch_tanh)")
         if self.rope_scaling is not None:
@@ -53,7 +61,8 @@ class DraftConfig:
 
     @classmethod
     def from_target_config(cls, hf: dict[str, Any], draft_vocab_size: int | None = None,
-                           num_aux_layers: int = 3) -> "DraftConfig":
+                           num_aux_layers: int = 3, fc_norm: bool = False,
+                           norm_output: bool = False) -> "DraftConfig":
         """Build from a target's HF config dict (`model.config.to_dict()` or config.json).
 
         Reads rope settings from both the transformers<5 layout (`rope_theta`, `rope_scaling`) and the
@@ -86,4 +95,6 @@ class DraftConfig:
             draft_vocab_size=int(draft_vocab_size or vocab),
             num_aux_layers=num_aux_layers,
             hidden_act=str(hf.get("hidden_act", "silu")),
+            fc_norm=fc_norm,
+            norm_output=norm_output,
         )

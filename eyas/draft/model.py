@@ -171,19 +171,26 @@ class DecoderLayer(nn.Module):
 
 
 class DraftOutput(NamedTuple):
-    hidden_out: torch.Tensor  # [B, T, H] pre-norm, fed back as the next step's hidden input
+    hidden_out: torch.Tensor  # [B, T, H] fed back as the next step's hidden input (pre-norm unless norm_output)
     logits: torch.Tensor  # [B, T, Vd]
     past_key_values: DraftCache  # (k, v)-like, each [B, nkv, S, head_dim], new entries appended
 
 
 class Eagle3Draft(nn.Module):
-    """fc over A aux states, one decoder layer with a 2H attention input, norm, lm_head over Vd."""
+    """fc over A aux states, one decoder layer with a 2H attention input, norm, lm_head over Vd.
+
+    With `cfg.fc_norm` each aux state gets its own RMSNorm before fc (`fc_norm.{i}.weight`, the name the
+    engines load); with `cfg.norm_output` the normed output, not the pre-norm one, is fed back as the next
+    step's hidden input. Without them the module and its state dict are the plain EAGLE-3 ones.
+    """
 
     def __init__(self, cfg: DraftConfig):
         super().__init__()
         self.cfg = cfg
         h = cfg.hidden_size
         self.fc = nn.Linear(cfg.num_aux_layers * h, h, bias=False)
+        if cfg.fc_norm:
+            self.fc_norm = nn.ModuleList([RMSNorm(h, cfg.rms_norm_eps) for _ in range(cfg.num_aux_layers)])
         self.embed_tokens = nn.Embedding(cfg.vocab_size, h)
         self.embed_tokens.weight.requires_grad_(False)  # the target's, frozen
         self.layers = nn.ModuleList([DecoderLayer(cfg)])
@@ -210,7 +217,18 @@ class Eagle3Draft(nn.Module):
 
     def fuse(self, aux_hidden: torch.Tensor) -> torch.Tensor:
         """[..., A*H] concatenated aux states -> [..., H]."""
+        if self.cfg.fc_norm:
+            chunks = aux_hidden.chunk(self.cfg.num_aux_layers, dim=-1)
+            aux_hidden = torch.cat([norm(x) for norm, x in zip(self.fc_norm, chunks)], dim=-1)
         return self.fc(aux_hidden)
+
+    def step_output(self, pre_norm: torch.Tensor) -> torch.Tensor:
+        """The layer's pre-norm output [..., H] -> what the next step takes as its hidden input."""
+        return self.norm(pre_norm) if self.cfg.norm_output else pre_norm
+
+    def head_input(self, hidden_out: torch.Tensor) -> torch.Tensor:
+        """A step's hidden output (`step_output`) -> the lm_head's input: normed once either way."""
+        return hidden_out if self.cfg.norm_output else self.norm(hidden_out)
 
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return draft_ids + self.d2t[draft_ids]
@@ -221,5 +239,5 @@ class Eagle3Draft(nn.Module):
         cos, sin = self.rotary.cos_sin(position_ids, hidden.dtype)
         x = layer.attn_input(embeds, hidden)  # [B, T, 2H]
         attn_out, past = layer.self_attn(x, cos, sin, past_key_values, attention_mask)
-        hidden_out = layer.finish(hidden, attn_out)  # [B, T, H]
-        return DraftOutput(hidden_out, self.lm_head(self.norm(hidden_out)), past)
+        hidden_out = self.step_output(layer.finish(hidden, attn_out))  # [B, T, H]
+        return DraftOutput(hidden_out, self.lm_head(self.head_input(hidden_out)), past)

@@ -65,6 +65,12 @@ def llama_layer_config(dc: dict) -> dict:
     }
 
 
+def layout_flags(dc: dict) -> dict:
+    """The EAGLE 3.1 switches the draft has on, under the top-level names vLLM, SGLang and speculators read
+    (`fc_norm`, `norm_output`; each engine takes a missing one as false)."""
+    return {name: True for name in ("fc_norm", "norm_output") if dc.get(name)}
+
+
 def _flat(dc: dict, aux_layers: list[int], dtype: str) -> dict:
     return {
         "architectures": ["LlamaForCausalLMEagle3"],
@@ -72,6 +78,7 @@ def _flat(dc: dict, aux_layers: list[int], dtype: str) -> dict:
         "draft_vocab_size": dc["draft_vocab_size"],
         "target_hidden_size": dc["hidden_size"],
         "num_aux_hidden_states": len(aux_layers),
+        **layout_flags(dc),
         "torch_dtype": TORCH_DTYPE_NAMES[dtype],
     }
 
@@ -109,8 +116,8 @@ def speculators_config(dc: dict, aux_layers: list[int], dtype: str, target: str 
         # explicit, because readers disagree on the defaults (vLLM assumes norm_before_residual=true)
         "norm_before_residual": False,
         "norm_before_fc": False,
-        "fc_norm": False,
-        "norm_output": False,
+        "fc_norm": bool(dc.get("fc_norm")),
+        "norm_output": bool(dc.get("norm_output")),
         "torch_dtype": TORCH_DTYPE_NAMES[dtype],
     }
 
@@ -144,6 +151,14 @@ def readme(fmt: str, draft_dir: str, meta: dict, aux_written: list[int], dtype: 
         f"- draft vocabulary: {meta['draft_config']['draft_vocab_size']} of {meta['draft_config']['vocab_size']} "
         f"target tokens; weights in {TORCH_DTYPE_NAMES[dtype]}; `eyas.json` records the rest",
         "",
+    ]
+    flags = list(layout_flags(meta["draft_config"]))
+    if flags:
+        lines += [f"EAGLE 3.1 layout: {' and '.join(f'`{f}`' for f in flags)} on. The engine must read "
+                  f"{'them' if len(flags) > 1 else 'it'}: vLLM and speculators do; for SGLang use a release whose "
+                  f"EAGLE-3 loader names its layers `model.layers` (older ones ignore these flags and skip "
+                  f"`fc_norm.*` weights without a word: correct text, acceptance near 1).", ""]
+    lines += [
         "## Launch",
         "",
     ]

@@ -8,6 +8,9 @@ vLLM and speculators load them as they are. Two other spellings exist in the wil
   place, so an SGLang export must use it (vLLM renames `midlayer.` to `layers.0.` itself).
 - a `model.` prefix on everything but `lm_head`, as `save_pretrained` of a wrapped model writes.
 
+An EAGLE 3.1 draft with `fc_norm` adds one RMSNorm per aux state, `fc_norm.{i}.weight`: vLLM, SGLang's
+newer loader and speculators all load that name (older SGLang also read `aux_norm_low/mid/high`).
+
 Every foreign key is translated through the explicit table below; anything left over is an error,
 never silently dropped.
 """
@@ -32,19 +35,24 @@ VOCAB_BUFFERS = ("d2t", "t2d")
 EMBED = "embed_tokens.weight"
 
 EYAS_KEYS = TOP_PARAMS + tuple(f"layers.0.{p}" for p in LAYER_PARAMS)  # always present
+MAX_AUX = 16  # the most aux states a draft's fc_norm may hold a norm for
+FC_NORM_KEYS = tuple(f"fc_norm.{i}.weight" for i in range(MAX_AUX))  # present with cfg.fc_norm only
 
 # eyas name -> midlayer name (SGLang, EAGLE and SpecForge checkpoints)
 TO_MIDLAYER = {f"layers.0.{p}": f"midlayer.{p}" for p in LAYER_PARAMS}
 
 # every spelling we accept -> the eyas name
 FROM_FOREIGN: dict[str, str] = {}
-for _name in EYAS_KEYS + VOCAB_BUFFERS + (EMBED,):
+for _name in EYAS_KEYS + FC_NORM_KEYS + VOCAB_BUFFERS + (EMBED,):
     _aliases = {_name, f"model.{_name}"}
     if _name in TO_MIDLAYER:
         _mid = TO_MIDLAYER[_name]
         _aliases |= {_mid, f"model.{_mid}"}
     for _alias in _aliases:
         FROM_FOREIGN[_alias] = _name
+
+for _i, _old in enumerate(("low", "mid", "high")):  # SGLang's earlier names of the three aux norms
+    FROM_FOREIGN[f"aux_norm_{_old}.weight"] = FROM_FOREIGN[f"model.aux_norm_{_old}.weight"] = FC_NORM_KEYS[_i]
 
 # keys that carry no draft weights: rotary caches of old checkpoints, speculators' frozen copies of
 # the verifier's head and norm (used only for its training loss)

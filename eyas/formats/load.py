@@ -18,9 +18,11 @@ from eyas.common import EyasError, nonfinite_tensors, read_json
 from eyas.formats.configs import FORMATS
 from eyas.formats.keys import EMBED, FROM_FOREIGN, from_foreign
 
-# config flags that change the draft's computation (vLLM reads them on both config paths); eyas's draft
-# has them all off
+# config flags that change the draft's computation (vLLM reads them on both config paths). eyas's draft has
+# the first two off always; the EAGLE 3.1 pair it can have on (DraftConfig.fc_norm, .norm_output)
 LAYOUT_FLAGS = ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output")
+REFUSED_FLAGS = ("norm_before_residual", "norm_before_fc")
+EAGLE31_FLAGS = ("fc_norm", "norm_output")
 
 
 def resolve_draft_dir(path: str | Path) -> Path:
@@ -186,10 +188,12 @@ def _meta_from_export(d: Path, cfg: dict, state: dict, weight_names: list[str]) 
     if speculators and cfg["speculators_model_type"] != "eagle3":
         raise EyasError(f"{source}: speculators model type {cfg['speculators_model_type']!r} is not eagle3")
     # vLLM treats a missing norm_before_residual as true on the speculators path, as false on the flat one
-    on = [f for f in LAYOUT_FLAGS if cfg.get(f, speculators and f == "norm_before_residual")]
+    on = [f for f in REFUSED_FLAGS if cfg.get(f, speculators and f == "norm_before_residual")]
     if on:
-        raise EyasError(f"{source}: {on} set to true; eyas's EAGLE-3 draft supports only the plain layout "
-                        f"(all false{'' if speculators else ' or absent'})")
+        raise EyasError(f"{source}: {on} set to true; eyas's EAGLE-3 draft supports neither "
+                        f"(both false{'' if speculators else ' or absent'}); of the other layout flags it has "
+                        f"fc_norm and norm_output")
+    flags = {f: bool(cfg.get(f, False)) for f in EAGLE31_FLAGS}  # what every engine reads (missing = false)
     if not (cfg.get("eagle_config") or {}).get("use_aux_hidden_state", True):
         raise EyasError(f"{source}: eagle_config.use_aux_hidden_state is false: engines would feed the target's "
                         f"hidden state to the layer without fc; eyas's draft always fuses its aux states through fc")
@@ -211,7 +215,7 @@ def _meta_from_export(d: Path, cfg: dict, state: dict, weight_names: list[str]) 
     vocab = int(layer_cfg["vocab_size"])
     draft_cfg = DraftConfig.from_target_config(
         layer_cfg, draft_vocab_size=int(cfg.get("draft_vocab_size") or vocab),
-        num_aux_layers=_num_aux(state, hidden, source)).to_dict()
+        num_aux_layers=_num_aux(state, hidden, source), **flags).to_dict()
     meta = {"kind": "speculators" if speculators else "flat", "aux_layers": list(aux) if aux else None,
             "target": None, "target_model": target_model, "features": "fused", "ttt": None, "num_layers": None,
             "target_architectures": archs, "target_name_or_path": None, "store": None}
@@ -223,6 +227,12 @@ def _meta_from_export(d: Path, cfg: dict, state: dict, weight_names: list[str]) 
             raise EyasError(f"{d}: config.json names aux layers {meta['aux_layers']} (HF convention) but eyas.json "
                             f"{ej.get('aux_layers')}; one of them was edited")
         draft_cfg = ej.get("draft_config", draft_cfg)
+        differ = [f for f in EAGLE31_FLAGS if bool(draft_cfg.get(f, False)) != flags[f]]
+        if differ:
+            said = ", ".join(f"{f} is {str(flags[f]).lower()}" for f in differ)
+            raise EyasError(f"{source}: {said} there, but eyas.json's draft has "
+                            f"{', '.join(f'{f}={str(not flags[f]).lower()}' for f in differ)}; an engine reads "
+                            f"config.json and would compute another draft: export again")
         meta.update(kind=ej.get("format", meta["kind"]), aux_layers=ej.get("aux_layers"), target=ej.get("target"),
                     target_model=ej.get("target_model", target_model), features=ej.get("features", "fused"),
                     ttt=ej.get("ttt"), num_layers=ej.get("target_num_layers"),
@@ -263,6 +273,11 @@ def load_draft(path: str | Path, embed_tokens=None):
         dc = DraftConfig.from_dict(draft_cfg)
     except (TypeError, ValueError) as e:
         raise EyasError(f"{d}: draft config does not describe an eyas draft ({e})") from None
+    norms = sorted(k for k in state if k.startswith("fc_norm."))
+    if dc.fc_norm and len(norms) != dc.num_aux_layers or not dc.fc_norm and norms:
+        raise EyasError(f"{d}: the config says fc_norm={str(dc.fc_norm).lower()} for {dc.num_aux_layers} aux "
+                        f"states but the weights hold {norms or 'no fc_norm.*'}; config and weights do not "
+                        f"belong together")
     draft = Eagle3Draft(dc)
     expected = draft.state_dict()
     for name, value in state.items():

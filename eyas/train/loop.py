@@ -34,7 +34,7 @@ from eyas.train import dist, guards
 from eyas.train.data import pad_rows
 from eyas.train.metrics import MetricsLogger, peak_memory_gib
 from eyas.train.source import TrainSource
-from eyas.train.ttt import TTTResult, draft_step, simulated_tau, ttt_forward
+from eyas.train.ttt import LossSpec, TTTResult, draft_step, simulated_tau, ttt_forward
 
 
 class TTTModule(nn.Module):
@@ -42,10 +42,10 @@ class TTTModule(nn.Module):
 
     def __init__(self, draft: Eagle3Draft, ttt: int, loss_decay: float, features: str, *,
                  impl: str = "fast", attention: str = "dense", compile: bool = False, batch_tokens: int = 0,
-                 compile_backend: str = "inductor", compile_loss: bool = False):
+                 compile_backend: str = "inductor", compile_loss: bool = False, loss: LossSpec = LossSpec()):
         super().__init__()
         self.draft = draft
-        self.ttt, self.loss_decay, self.features = ttt, loss_decay, features
+        self.ttt, self.loss_decay, self.features, self.loss = ttt, loss_decay, features, loss
         self.impl, self.attention = impl, attention
         # a compiled step pads small batches with empty rows to >= 2 rows and half the token budget (never
         # past the budget), so that the packer's leftover batches do not compile every unrolled step again
@@ -74,7 +74,7 @@ class TTTModule(nn.Module):
             batch = pad_rows(batch, self.batch_tokens // 2, self.batch_tokens)
         return ttt_forward(self.draft, batch, lm_head_weight, self.ttt, self.loss_decay, self.features,
                            impl=self.impl, attention=self.attention, step_fn=self.step_fn,
-                           compiled_ce=self.compiled_ce)
+                           compiled_ce=self.compiled_ce, loss=self.loss)
 
 
 def lr_lambda(total_steps: int, warmup_steps: int, min_lr_ratio: float):
@@ -92,19 +92,28 @@ def feature_layers(source: TrainSource, features: str) -> list[int]:
     return list(source.aux_layers[-1:] if features == "last" else source.aux_layers)
 
 
-def draft_config(source: TrainSource, features: str) -> DraftConfig:
-    """The config of a new draft for this source (its draft vocabulary the data's, else the target's)."""
+def loss_spec(tc) -> LossSpec:
+    """The TTT loss that train.loss, train.lk_eta, train.mask_oov_target, train.loss_mask_token and
+    train.loss_norm describe."""
+    return LossSpec(kind=tc.loss, lk_eta=tc.lk_eta, mask_oov_target=tc.mask_oov_target,
+                    mask_token=tc.loss_mask_token, norm=tc.loss_norm)
+
+
+def draft_config(source: TrainSource, features: str, fc_norm: bool = False, norm_output: bool = False) -> DraftConfig:
+    """The config of a new draft for this source (its draft vocabulary the data's, else the target's), with the
+    EAGLE 3.1 layout switches train.fc_norm and train.norm_output."""
     vocab = source.lm_head_weight.shape[0]
     draft_vocab = len(source.d2t) if source.d2t is not None else vocab
-    cfg = DraftConfig.from_target_config(source.target_config, draft_vocab, len(feature_layers(source, features)))
+    cfg = DraftConfig.from_target_config(source.target_config, draft_vocab, len(feature_layers(source, features)),
+                                         fc_norm=fc_norm, norm_output=norm_output)
     if (cfg.vocab_size, cfg.hidden_size) != tuple(source.embed_weight.shape):
         raise EyasError(f"the target config says vocab {cfg.vocab_size} x hidden {cfg.hidden_size} but its embedding is "
                         f"{tuple(source.embed_weight.shape)}; the store's target_head does not belong to its manifest")
     return cfg
 
 
-def build_draft(source: TrainSource, features: str) -> Eagle3Draft:
-    draft = Eagle3Draft(draft_config(source, features))
+def build_draft(source: TrainSource, features: str, fc_norm: bool = False, norm_output: bool = False) -> Eagle3Draft:
+    draft = Eagle3Draft(draft_config(source, features, fc_norm, norm_output))
     draft.embed_tokens.weight.data.copy_(source.embed_weight.float())
     if source.d2t is not None:
         draft.set_vocab(source.d2t, source.t2d)
@@ -118,7 +127,8 @@ def _same(a, b) -> bool:
     return a == b
 
 
-def init_draft(init: tuple[Eagle3Draft, dict], path: str, source: TrainSource, features: str) -> Eagle3Draft:
+def init_draft(init: tuple[Eagle3Draft, dict], path: str, source: TrainSource, features: str,
+               fc_norm: bool = False, norm_output: bool = False) -> Eagle3Draft:
     """The draft loaded from `path` (train.init_from; `init` is what eyas.formats.load_draft returned for it),
     checked against what this run trains on, to fine-tune.
 
@@ -126,7 +136,7 @@ def init_draft(init: tuple[Eagle3Draft, dict], path: str, source: TrainSource, f
     architecture, aux layers, features and target must be this run's, or the error names the difference."""
     draft, meta = init
     where = f"train.init_from={path!r}"
-    ours, theirs = draft_config(source, features).to_dict(), draft.cfg.to_dict()
+    ours, theirs = draft_config(source, features, fc_norm, norm_output).to_dict(), draft.cfg.to_dict()
     differ = [f"{k} {theirs.get(k)!r} (this run: {v!r})" for k, v in ours.items()
               if k != "draft_vocab_size" and not _same(theirs.get(k), v)]
     if differ:
@@ -177,10 +187,11 @@ def train(cfg: RunConfig, out_dir: str | Path, source: TrainSource, *, resume: b
 def _first_draft(tc, source: TrainSource) -> Eagle3Draft:
     """A new draft for this source, or the one train.init_from names, checked against it."""
     if not tc.init_from:
-        return build_draft(source, tc.features)
+        return build_draft(source, tc.features, tc.fc_norm, tc.norm_output)
     from eyas.formats import load_draft
 
-    draft = init_draft(load_draft(tc.init_from, embed_tokens=source.embed_weight), tc.init_from, source, tc.features)
+    draft = init_draft(load_draft(tc.init_from, embed_tokens=source.embed_weight), tc.init_from, source, tc.features,
+                       tc.fc_norm, tc.norm_output)
     print0(f"fine-tuning the draft of {tc.init_from} (train.init_from): a fresh optimizer and schedule")
     return draft
 
@@ -195,6 +206,9 @@ def _resume(run_dir: Path, draft: Eagle3Draft, meta: dict, state: dict, cfg: Run
         return None
     guards.check_resume_config(resumed, cfg)
     old = loaded["draft_meta"]
+    # a checkpoint written before a draft config field existed has that field's default
+    old = {**old, "draft_config": DraftConfig.from_dict(old.get("draft_config") or {}).to_dict()
+           if old.get("draft_config") else None}
     for key in ("draft_config", "aux_layers", "features"):
         if old.get(key) != meta[key]:
             raise EyasError(f"cannot resume from {resumed}: its {key} ({old.get(key)}) differs from this run's "
@@ -239,7 +253,7 @@ def _session(tc, draft: Eagle3Draft, info: dist.DistInfo, total_steps: int, load
     compile_step = tc.compile and info.device.type == "cuda"  # inductor on CPU costs more than it saves here
     model = dist.wrap(TTTModule(draft, tc.ttt, tc.loss_decay, tc.features, attention=_attention(tc, draft, info.device),
                                 compile=compile_step, batch_tokens=tc.batch_tokens,
-                                compile_loss=tc.compile_loss), info, tc.fsdp)
+                                compile_loss=tc.compile_loss, loss=loss_spec(tc)), info, tc.fsdp)
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=tc.lr, betas=(0.9, 0.95), weight_decay=tc.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(total_steps, tc.warmup_steps, tc.min_lr_ratio))

@@ -166,7 +166,7 @@ class TTTResult:
     """
 
     loss: torch.Tensor  # scalar: sum_k decay**k * loss_k (differentiable)
-    stats: torch.Tensor  # [3, K] float64: mean loss, correct, count per step
+    stats: torch.Tensor  # [3, K] float64: loss_k (as normalised), correct, count per step
     logits_k: list | None = None  # per-step [B, T, Vd], only with return_logits
     _lists: list | None = None
 
@@ -176,7 +176,7 @@ class TTTResult:
         return self._lists
 
     @property
-    def loss_k(self) -> list[float]:  # per-step mean soft cross-entropy
+    def loss_k(self) -> list[float]:  # per-step loss (soft cross-entropy by default)
         return self._read()[0]
 
     @property
@@ -189,11 +189,71 @@ class TTTResult:
 
 
 ATTENTION_IMPLS = ("dense", "flex", "reference")
+LOSSES = ("kl", "lk_alpha", "lk_hybrid")
+MASK_TOKENS = ("predicted", "position")
+LOSS_NORMS = ("counted", "all")
+_LK_EPS = 1e-5  # floor of the acceptance rate under -log(alpha): a draft that puts no mass on p stays finite
+
+
+@dataclass(frozen=True)
+class LossSpec:
+    """What the TTT loss is and which positions it counts (train.loss ... train.loss_norm; docs/ALGORITHM.md
+    section 3). The defaults are eyas's loss; the three masking/normalising switches give EAGLE's and
+    SpecForge's reference behaviour."""
+
+    kind: str = "kl"  # kl (soft cross-entropy) | lk_alpha (-log alpha) | lk_hybrid (adaptive KL/TV blend)
+    lk_eta: float = 3.0  # lk_hybrid: the KL weight is exp(-lk_eta * alpha), alpha not differentiated
+    mask_oov_target: bool = False  # drop positions whose target top-1 token is outside the draft vocabulary
+    mask_token: str = "predicted"  # whose loss_mask counts a prediction: the predicted token's | position t + k's
+    norm: str = "counted"  # a step's loss averaged over its counted positions | over all B*T positions
+
+    def __post_init__(self):
+        for name, value, allowed in (("kind", self.kind, LOSSES), ("mask_token", self.mask_token, MASK_TOKENS),
+                                     ("norm", self.norm, LOSS_NORMS)):
+            if value not in allowed:
+                raise ValueError(f"LossSpec.{name}={value!r}: expected one of {allowed}")
+
+
+def shift_right(x: torch.Tensor, n: int) -> torch.Tensor:
+    """x[:, :-n] padded with zeros at the start, so that out[:, t + n] = x[:, t]."""
+    if n == 0:
+        return x
+    return torch.cat([torch.zeros_like(x[:, :n]), x[:, :-n]], dim=1)
+
+
+def lk_loss_sum(logits: torch.Tensor, probs: torch.Tensor, kind: str, eta: float = 3.0) -> torch.Tensor:
+    """An LK loss (Samarin et al., arXiv 2602.23881) summed over rows: logits [N, Vd], probs [N, Vd] the target.
+
+    alpha = sum_v min(p_v, q_v) is the acceptance rate of sampling from q against p (1 - TV). `lk_alpha`
+    is -log(alpha); `lk_hybrid` is lam * KL(p || q) + (1 - lam) * (1 - alpha) with lam = exp(-eta * alpha)
+    taken as a constant, so a poor draft learns from KL and a good one from the acceptance rate itself.
+    """
+    logq = logits.float().log_softmax(-1)  # [N, Vd]
+    alpha = torch.minimum(probs, logq.exp()).sum(-1)  # [N]
+    if kind == "lk_alpha":
+        return -alpha.clamp_min(_LK_EPS).log().sum()
+    kl = (torch.xlogy(probs, probs) - probs * logq).sum(-1)  # [N]; 0 log 0 = 0
+    lam = torch.exp(-eta * alpha.detach())
+    return (lam * kl + (1 - lam) * (1 - alpha)).sum()
+
+
+def counted_positions(batch: dict, ttt: int, mask_token: str) -> torch.Tensor:
+    """[K, B, T] bool: step k at anchor t is in the loss (before any out-of-vocabulary mask).
+
+    The predicted token ids[t + 2 + k] must be a real one. `predicted`: and an assistant token itself;
+    `position`: the token at the step's own position t + k, two before it, must be (EAGLE's and SpecForge's
+    shifted loss mask)."""
+    real = batch["attention_mask"].bool()  # [B, T]
+    assistant = batch["loss_mask"].bool()
+    if mask_token == "predicted":
+        return torch.stack([shift_left(assistant & real, 2 + k) for k in range(ttt)])
+    return torch.stack([shift_left(assistant, k) & shift_left(real, 2 + k) for k in range(ttt)])
 
 
 def ttt_forward(draft: Eagle3Draft, batch: dict, lm_head_weight: torch.Tensor, ttt: int,
                 loss_decay: float = 0.8, features: str = "fused", return_logits: bool = False,
-                impl: str = "fast", attention: str = "dense", step_fn=None, compiled_ce: bool = False) -> TTTResult:
+                impl: str = "fast", attention: str = "dense", step_fn=None, compiled_ce: bool = False,
+                loss: LossSpec = LossSpec()) -> TTTResult:
     """The unrolled TTT loss of one batch (see the module docstring for the index arithmetic).
 
     batch: input_ids [B, T] int64, attention_mask [B, T] bool, loss_mask [B, T], aux_hidden [B, T, A*H],
@@ -201,7 +261,8 @@ def ttt_forward(draft: Eagle3Draft, batch: dict, lm_head_weight: torch.Tensor, t
     `impl="reference"` is the plain computation (reference attention, per-step fp32 logits and
     F.cross_entropy); `impl="fast"` uses `attention` ("dense" or "flex", eyas/train/kernels.py), the fused
     lm_head + soft cross-entropy, and few host syncs. `step_fn` replaces `draft_step` (a compiled one);
-    `compiled_ce` compiles the soft cross-entropy's passes over the logits (eyas/train/kernels.py).
+    `compiled_ce` compiles the soft cross-entropy's passes over the logits (eyas/train/kernels.py). `loss`:
+    which loss and which positions count (LossSpec); an LK loss materialises each step's [N_k, Vd] logits.
     """
     if impl not in ("fast", "reference") or attention not in ATTENTION_IMPLS:
         raise ValueError(f"impl={impl!r} / attention={attention!r}: expected fast|reference / {ATTENTION_IMPLS}")
@@ -217,20 +278,27 @@ def ttt_forward(draft: Eagle3Draft, batch: dict, lm_head_weight: torch.Tensor, t
     param_dtype = draft.fc.weight.dtype
     h = draft.fuse(aux.to(param_dtype))  # [B, T, H]
 
-    # need[j]: position j's target distribution is used (by step k at anchor j - 1 - k)
-    counted = batch["loss_mask"].bool() & batch["attention_mask"].bool()  # [B, T]
-    need = shift_left(counted, 1)
+    # step k at anchor t predicts token t + 2 + k from the target's distribution at t + 1 + k
+    valid = counted_positions(batch, ttt, loss.mask_token)  # [K, B, T]
+    need = torch.zeros_like(valid[0])  # [B, T]: position j's target distribution is used
+    for k in range(ttt):
+        need |= shift_right(valid[k], 1 + k)
     draft_target_ids = torch.arange(cfg.draft_vocab_size, device=ids.device) + draft.d2t
     target = target_view(batch["final_hidden"], need, lm_head_weight, draft_target_ids)
+    if loss.mask_oov_target:  # the target's top-1 must be a token the draft can propose
+        in_vocab = torch.zeros(b * t, dtype=torch.bool, device=ids.device)
+        needed = target.row_of >= 0
+        in_vocab[needed] = draft.t2d[target.argmax[target.row_of[needed]]]
+        valid = valid & torch.stack([shift_left(in_vocab.view(b, t), 1 + k) for k in range(ttt)])
 
-    # anchors of every step at once: step k at anchor t predicts token t + 2 + k (two host syncs in all)
-    valid = torch.stack([shift_left(counted, 2 + k).reshape(-1) for k in range(ttt)])  # [K, B*T]
+    # anchors of every step at once (two host syncs in all)
+    valid = valid.reshape(ttt, b * t)  # [K, B*T]
     counts = valid.sum(1).tolist()
     anchors_k = valid.nonzero()[:, 1].split(counts)  # K tensors [N_k] of flat positions
 
     pos = torch.arange(t, device=ids.device).expand(b, t)  # [B, T]
     k0 = v0 = diag_k = diag_v = None
-    loss = h.new_zeros((), dtype=torch.float32)
+    total = h.new_zeros((), dtype=torch.float32)
     stats = torch.zeros(3, ttt, dtype=torch.float64, device=ids.device)
     logits_k = [] if return_logits else None
     rotary = getattr(draft, "rotary", None)  # its fp32 frequencies, on the device already
@@ -242,6 +310,7 @@ def ttt_forward(draft: Eagle3Draft, batch: dict, lm_head_weight: torch.Tensor, t
         if step_fn is not draft_step:  # compiled: four graphs for the K unrolled steps (see _dynamic)
             _dynamic(h, ids_k, cos, sin, k0, v0, diag_k, diag_v, block_mask=mask)
         h, keys, values = step_fn(draft, h, ids_k, cos, sin, k0, v0, diag_k, diag_v, attention, mask)
+        h = draft.step_output(h)  # the next step's hidden input (normed with cfg.norm_output)
         if k == 0:
             k0, v0 = keys, values
         else:  # the step appended its own diagonal keys and values already
@@ -252,23 +321,27 @@ def ttt_forward(draft: Eagle3Draft, batch: dict, lm_head_weight: torch.Tensor, t
         flat_h = h.reshape(b * t, -1)
         n = counts[k]
         if return_logits:
-            logits_k.append(draft.lm_head(draft.norm(flat_h)).view(b, t, -1))  # [B, T, Vd]
+            logits_k.append(draft.lm_head(draft.head_input(flat_h)).view(b, t, -1))  # [B, T, Vd]
+        if loss.kind != "kl":
+            logits = draft.lm_head(draft.head_input(flat_h[anchors]))  # [N_k, Vd]
+            loss_sum = lk_loss_sum(logits, target.probs[rows], loss.kind, loss.lk_eta)
+            predicted = logits.detach().argmax(-1)
         # soft cross-entropy = forward KL to the target distribution up to a constant
-        if impl == "reference":
-            logits = draft.lm_head(draft.norm(flat_h[anchors]))  # [N_k, Vd]
+        elif impl == "reference":
+            logits = draft.lm_head(draft.head_input(flat_h[anchors]))  # [N_k, Vd]
             loss_sum = F.cross_entropy(logits.float(), target.probs[rows], reduction="sum")
             predicted = logits.detach().argmax(-1)
         else:
-            loss_sum, predicted = linear_soft_ce(draft.norm(flat_h[anchors]), draft.lm_head.weight, target.probs, rows,
-                                                 compiled=compiled_ce)
-        loss_k = loss_sum / max(n, 1)
-        loss = loss + (loss_decay ** k) * loss_k
+            loss_sum, predicted = linear_soft_ce(draft.head_input(flat_h[anchors]), draft.lm_head.weight,
+                                                 target.probs, rows, compiled=compiled_ce)
+        loss_k = loss_sum / (b * t if loss.norm == "all" else max(n, 1))
+        total = total + (loss_decay ** k) * loss_k
         with torch.no_grad():
             hits = draft_target_ids[predicted] == target.argmax[rows]  # draft argmax as target ids
             stats[0, k] = loss_k.detach()
             stats[1, k] = hits.sum()
             stats[2, k] = n
-    return TTTResult(loss, stats, logits_k)
+    return TTTResult(total, stats, logits_k)
 
 
 def simulated_tau(acc_k: list[float]) -> float:

@@ -14,9 +14,11 @@ TINY_AUX = [1, 2, 3]  # HF ids on the 4-layer tiny target
 DRAFT_VOCAB = 200  # of the tiny target's 320
 
 
-def random_draft(target_config: dict, draft_vocab: int, num_aux: int = 3, seed: int = 0) -> Eagle3Draft:
-    """Every weight random (norms too, so that a swapped norm changes the logits), a random vocab map."""
-    cfg = DraftConfig.from_target_config(target_config, draft_vocab_size=draft_vocab, num_aux_layers=num_aux)
+def random_draft(target_config: dict, draft_vocab: int, num_aux: int = 3, seed: int = 0, **layout) -> Eagle3Draft:
+    """Every weight random (norms too, so that a swapped norm changes the logits), a random vocab map.
+    `layout`: the EAGLE 3.1 switches (fc_norm, norm_output)."""
+    cfg = DraftConfig.from_target_config(target_config, draft_vocab_size=draft_vocab, num_aux_layers=num_aux,
+                                         **layout)
     gen = torch.Generator().manual_seed(seed)
     draft = Eagle3Draft(cfg)
     with torch.no_grad():
@@ -54,10 +56,11 @@ def tiny_target_dir(tiny_target, tmp_path_factory):
 
 @pytest.fixture()
 def make_run(tiny_target, tiny_target_dir, tmp_path):
-    """A factory: make_run(draft_vocab=200, aux=TINY_AUX, identity=..., **draft_json_extra) -> (run_dir, draft)."""
+    """A factory: make_run(draft_vocab=200, aux=TINY_AUX, identity=..., layout={}, **draft_json_extra)
+    -> (run_dir, draft); `layout` holds the EAGLE 3.1 switches of the draft (fc_norm, norm_output)."""
 
-    def make(draft_vocab=DRAFT_VOCAB, aux=TINY_AUX, identity="default", num_aux=3, name="run", **extra):
-        draft = random_draft(tiny_target.config.to_dict(), draft_vocab, num_aux)
+    def make(draft_vocab=DRAFT_VOCAB, aux=TINY_AUX, identity="default", num_aux=3, name="run", layout=None, **extra):
+        draft = random_draft(tiny_target.config.to_dict(), draft_vocab, num_aux, **(layout or {}))
         draft.embed_tokens.weight.data.copy_(tiny_target.embed_tokens.weight)
         ident = dict(tiny_target.identity) if identity == "default" else identity
         run = write_checkpoint(tmp_path / name, draft, aux, ident, str(tiny_target_dir), **extra)

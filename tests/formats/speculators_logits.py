@@ -6,7 +6,8 @@ usage: python speculators_logits.py EXPORT_DIR INPUTS.safetensors OUTPUTS.safete
 
 INPUTS holds aux_hidden [1, T, A*H] fp32, input_ids [1, T], position_ids [1, T] and ttt_steps [1].
 OUTPUTS gets logits [K, 1, T, Vd] (the lm_head outputs of speculators' forward, one per TTT step)
-and the d2t/t2d buffers speculators loaded (when the draft vocab is reduced).
+and the d2t/t2d buffers speculators loaded (when the draft vocab is reduced), and `layout`: its config's
+fc_norm and norm_output and whether it built the per-aux norms.
 """
 
 import sys
@@ -38,6 +39,7 @@ def main(export_dir: str, inputs_path: str, outputs_path: str) -> None:
     if model.d2t is not None:
         out["d2t"], out["t2d"] = model.d2t.contiguous(), model.t2d.contiguous()
     out["aux_layer_ids"] = torch.tensor(model.config.eagle_aux_hidden_state_layer_ids)
+    out["layout"] = torch.tensor([model.config.fc_norm, model.config.norm_output, model.fc_norm is not None])
     save_file(out, outputs_path)
 
 

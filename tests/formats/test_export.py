@@ -244,16 +244,18 @@ def test_flat_configs_without_eyas_json(make_run, tiny_target, tmp_path):
         load_draft(paths["sglang"])
 
 
-def sglang_loads(names, layer: str) -> tuple[set, set]:
+def sglang_loads(names, layer: str, num_fc_norms: int = 0) -> tuple[set, set]:
     """Which file weights SGLang's LlamaForCausalLMEagle3.load_weights places, by its naming rules (read in
     sgl-project/sglang python/sglang/srt/models/llama_eagle3.py): the decoder layer is `model.<layer>`
     (`midlayer` up to PR #24663, `layers.0` after it, which also renames `midlayer` to `layers.0`),
     q/k/v and gate/up are fused, a name is tried as is and with `model.`, d2t/t2d are read apart, and
-    anything else is skipped without a word. -> (placed parameters, skipped file names)."""
+    anything else is skipped without a word. `num_fc_norms`: the newer loader's `model.fc_norm.{i}` norms of a
+    config with `fc_norm: true` (the older loader has none). -> (placed parameters, skipped file names)."""
     params = {"lm_head.weight", "model.embed_tokens.weight", "model.fc.weight", "model.norm.weight"} | {
         f"model.{layer}.{p}.weight" for p in ("hidden_norm", "input_layernorm", "self_attn.qkv_proj",
                                               "self_attn.o_proj", "post_attention_layernorm", "mlp.gate_up_proj",
-                                              "mlp.down_proj")}
+                                              "mlp.down_proj")} | {
+        f"model.fc_norm.{i}.weight" for i in range(num_fc_norms)}
     fused = {".q_proj": ".qkv_proj", ".k_proj": ".qkv_proj", ".v_proj": ".qkv_proj", ".gate_proj": ".gate_up_proj",
              ".up_proj": ".gate_up_proj"}
     placed, skipped = set(), set()

@@ -22,15 +22,17 @@ T = 10
 
 
 def test_speculators_loads_export_with_same_logits(make_run, tiny_target, tmp_path):
-    cases = {}  # reduced vocab (d2t/t2d written) and full vocab (no mapping)
-    for draft_vocab in (200, 320):
-        run, draft = make_run(draft_vocab=draft_vocab, name=f"run-{draft_vocab}")
-        out = export(run, tmp_path / f"spec-{draft_vocab}", ["speculators"], dtype="fp32")["speculators"]
+    # reduced vocab (d2t/t2d written), full vocab (no mapping), and EAGLE 3.1's fc_norm and norm_output on
+    cases = {}
+    for name, draft_vocab, layout in (("200", 200, {}), ("320", 320, {}),
+                                      ("3.1", 200, {"fc_norm": True, "norm_output": True})):
+        run, draft = make_run(draft_vocab=draft_vocab, name=f"run-{name}", layout=layout)
+        out = export(run, tmp_path / f"spec-{name}", ["speculators"], dtype="fp32")["speculators"]
         aux, ids, pos = sample_inputs(draft, t=T)
-        io = (tmp_path / f"in-{draft_vocab}.safetensors", tmp_path / f"out-{draft_vocab}.safetensors")
+        io = (tmp_path / f"in-{name}.safetensors", tmp_path / f"out-{name}.safetensors")
         save_file({"aux_hidden": aux, "input_ids": ids, "position_ids": pos,
                    "ttt_steps": torch.tensor([TTT_STEPS])}, str(io[0]))
-        cases[draft_vocab] = (draft, out, (aux, ids, pos), io)
+        cases[name] = (draft, out, (aux, ids, pos), io)
 
     # the exports carry no embedding: speculators reads it from the verifier dir (the tiny target), as eyas
     # takes the target's; one subprocess for both, since importing speculators is most of the cost
@@ -39,9 +41,11 @@ def test_speculators_loads_export_with_same_logits(make_run, tiny_target, tmp_pa
                           timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
 
-    for draft_vocab, (draft, out, inputs, io) in cases.items():
+    for name, (draft, out, inputs, io) in cases.items():
+        draft_vocab = draft.cfg.draft_vocab_size
         theirs = load_file(io[1])
         assert theirs["aux_layer_ids"].tolist() == [1, 2, 3]
+        assert theirs["layout"].tolist() == [draft.cfg.fc_norm, draft.cfg.norm_output, draft.cfg.fc_norm], name
         ours, _ = load_draft(out, embed_tokens=tiny_target.embed_tokens.weight)
         with torch.no_grad():
             mine = ttt_logits(ours, *inputs, TTT_STEPS)

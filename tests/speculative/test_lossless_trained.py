@@ -111,7 +111,7 @@ def trained(smollm2, tmp_path_factory):
     print(f"\nrefs {t_ref - t0:.1f}s capture {t_cap - t_ref:.1f}s train {t_train - t_cap:.1f}s; "
           f"loss {summary['loss']:.3f} acc {[round(summary[f'acc_{k}'], 2) for k in range(3)]}")
     return dict(prompts=prompts, answers=[a[:NEW] for a in answers], eos=eos, draft=draft.eval(),
-                untrained=untrained, aux=meta["aux_layers"], summary=summary)
+                untrained=untrained, aux=meta["aux_layers"], summary=summary, source=source, cfg=cfg)
 
 
 def pooled_tau(results) -> float:
@@ -139,6 +139,44 @@ def test_trained_draft_is_lossless_and_accepts_more(smollm2, trained, name):
     untrained_tau = pooled_tau(results["untrained"])
     assert trained_tau >= 2.0, (trained_tau, untrained_tau)
     assert same_prompts > untrained_tau + 0.5, (same_prompts, untrained_tau)
+
+
+@pytest.fixture(scope="module")
+def trained_eagle31(smollm2, trained, tmp_path_factory):
+    """The same training with EAGLE 3.1's fc_norm and norm_output on (train.fc_norm, train.norm_output),
+    read back from its checkpoint."""
+    from eyas.config import load_config
+    from eyas.formats import load_draft
+    from eyas.train import train
+
+    overrides = [f"train.{k}={v}" for k, v in vars(trained["cfg"].train).items()
+                 if k in ("steps", "ttt", "lr", "warmup_steps", "batch_tokens", "log_every", "save_every",
+                          "keep_last", "dtype", "seed")]
+    cfg = load_config("demo", overrides + ["train.fc_norm=true", "train.norm_output=true"])
+    run_dir = tmp_path_factory.mktemp("trained-eagle31")
+    summary = train(cfg, run_dir, trained["source"], device="cpu")
+    draft, meta = load_draft(run_dir, embed_tokens=smollm2.embed_tokens.weight.detach())
+    assert draft.cfg.fc_norm and draft.cfg.norm_output and meta["draft_config"]["fc_norm"]
+    assert any(k.startswith("fc_norm.") for k in draft.state_dict())
+    return dict(draft=draft.eval(), summary=summary)
+
+
+@pytest.mark.parametrize("name", list(SETTINGS))
+def test_eagle31_draft_is_lossless(smollm2, trained, trained_eagle31, name):
+    """Speculative decoding with a trained draft that has fc_norm and norm_output on gives exactly the target's
+    greedy tokens, on the dynamic and the fixed-shape path alike, and accepts drafts (it learned)."""
+    dynamic = SpecEngine(smollm2.model, trained_eagle31["draft"], trained["aux"])
+    static = SpecEngine(smollm2.model, trained_eagle31["draft"], trained["aux"], static=True)
+    results = []
+    for prompt, answer in zip(trained["prompts"], trained["answers"]):
+        res = dynamic.generate(prompt, NEW, eos_token_ids=trained["eos"], **SETTINGS[name])
+        assert res.tokens == answer, (name, prompt)
+        got = static.generate(prompt, NEW, eos_token_ids=trained["eos"], **SETTINGS[name])
+        assert got.tokens == answer and got.accepted_per_cycle == res.accepted_per_cycle, (name, prompt)
+        results.append(res)
+    tau = pooled_tau(results)
+    print(f"\n{name} eagle3.1: tau {tau:.2f}, train loss {trained_eagle31['summary']['loss']:.3f}")
+    assert tau >= 1.5, tau
 
 
 @pytest.mark.parametrize("setting", [dict(steps=1), dict(steps=5), dict(tree=(4, 4, 12))],
