@@ -17,6 +17,11 @@ def add_arguments(parser) -> None:
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
                         help="override one config value (repeatable)")
     parser.add_argument("--run-dir", required=True, help="where every stage writes; rerun to resume or skip")
+    parser.add_argument("--backend", choices=["hf", "vllm"],
+                        help="who runs the target for regeneration and capture: hf (transformers, one copy per GPU) "
+                             "or vllm (one vLLM engine for both stages, loaded once per run, spread over the GPUs "
+                             "with target.engine, e.g. --set target.engine.tensor_parallel_size=8); default: the "
+                             "config's target.backend")
     parser.add_argument("--gpus", default=None, help="device indices to use, e.g. 0,1,2,3 (default: all visible)")
     parser.add_argument("--wait-for-gpus", type=non_negative_seconds, default=0.0, metavar="SECONDS",
                         help="wait this long for other processes to free our GPUs (default: refuse at once)")
@@ -68,7 +73,7 @@ def main(args) -> int:
     source = args.config_file or args.preset
     if source is None and layout.config.is_file():
         source = str(layout.config)  # a rerun without a config continues with the run's own
-    cfg = load_config(source, args.overrides)
+    cfg = load_config(source, args.overrides + ([f"target.backend={args.backend}"] if args.backend else []))
     from eyas.data.benchmarks import check_benches
 
     check_benches(cfg.eval.benches, cfg.data.max_record_mb)  # the eval stage comes last: find a missing benchmark before the first

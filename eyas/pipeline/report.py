@@ -151,13 +151,47 @@ def _export(layout: RunLayout, cfg: RunConfig) -> tuple[list[str], list[str]]:
     return md, summary
 
 
-def write_report(run: Path, cfg: RunConfig, state: dict, stages=STAGES) -> list[str]:
-    """RUN/report.md from the stage records `state` (stages.json's) and the stages' outputs; returns the short
-    terminal summary."""
+def _loads(cfg: RunConfig, state: dict, engine_loads: list[dict]) -> tuple[list[str], list[str]]:
+    """How often the run loaded the target, and how long each load took: the run's vLLM engine (one load for
+    the stages it served, each `eyas run` in this directory that needed it) and the stages that load it with
+    transformers themselves."""
+    ran = [name for name, rec in state.items() if rec.get("status") in ("done", "running", "failed")]
+    served = {name for load in engine_loads for name in load.get("served", [])}
+    own = [name for name in ran if name not in served and name in _RUNS_TARGET(cfg)]
+    if not engine_loads and not own:
+        return [], []
+    md = ["", "## Target loads", "", "| loaded by | for the stages | time to serve |", "|---|---|---|"]
+    summary = []
+    for load in engine_loads:
+        ready, start = load.get("ready_s"), load.get("engine_start_s")
+        took = f"{ready:.1f} s (vLLM's start {start:.1f} s)" if isinstance(ready, (int, float)) and \
+            isinstance(start, (int, float)) else "did not serve"
+        md.append(f"| the run's vLLM engine | {', '.join(load.get('served', [])) or 'none'} | {took} |")
+    if engine_loads:
+        summary.append(f"target   loaded {len(engine_loads)}x into vLLM for {', '.join(sorted(served)) or 'nothing'}")
+    for name in own:
+        md.append(f"| transformers, in the stage's process | {name} | (in the stage's wall time) |")
+    return md, summary
+
+
+def _RUNS_TARGET(cfg: RunConfig) -> set[str]:
+    """The stages that run the target themselves (with transformers) under this config."""
+    stages = {"eval"}
+    if cfg.target.backend != "vllm":
+        stages |= {"prepare", "capture"}
+    if cfg.capture.mode == "online":
+        stages.add("train")
+    return stages
+
+
+def write_report(run: Path, cfg: RunConfig, state: dict, stages=STAGES, engine_loads: list[dict] | None = None) -> list[str]:
+    """RUN/report.md from the stage records `state` (stages.json's), this run's engine loads (the runner's) and
+    the stages' outputs; returns the short terminal summary."""
     layout = RunLayout(Path(run))
     md = [f"# eyas run `{cfg.name}`", "", f"Target `{cfg.target.model}`, run directory `{run}`.", ""]
     summary: list[str] = []
-    for section_md, section_summary in (_stages(layout, state, stages), _store(layout),
+    for section_md, section_summary in (_stages(layout, state, stages), _loads(cfg, state, engine_loads or []),
+                                        _store(layout),
                                         (_training(layout), []), _speculative(layout), _export(layout, cfg)):
         md += section_md
         summary += section_summary

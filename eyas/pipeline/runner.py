@@ -76,13 +76,23 @@ def read_state(path: Path) -> dict:
     return doc.get("stages", {})
 
 
+def _engine_loads(path: Path) -> list[dict]:
+    """RUN/stages.json's record of the engine's loads ([] without one)."""
+    try:
+        loads = read_json(path).get("engine_loads")
+    except (OSError, ValueError, AttributeError):
+        return []
+    return [x for x in loads if isinstance(x, dict)] if isinstance(loads, list) else []
+
+
 class Runner:
     def __init__(self, cfg: RunConfig, run: Path, opts: RunOptions, stages=STAGES, run_id: str | None = None):
         self.cfg, self.run, self.opts, self.stages = cfg, Path(run), opts, stages
         self.run_id = run_id  # of RUN's marker: recorded by the stage outputs the runner claims
         self.layout = RunLayout(self.run)
         self.state: dict = read_state(self.layout.stages)  # first: another schema is refused, nothing touched
-        self.engine_loads: list[dict] = []  # this run's loads of the target into the engine (the report's)
+        # every load of the target into the run's engine, by each `eyas run` in this directory (the report's)
+        self.engine_loads: list[dict] = _engine_loads(self.layout.stages)
         self.pool = opts.gpus if opts.gpus is not None else default_pool()
         self.nvml = nvml.available()
         known = {g.index for g in nvml.gpus()} if self.nvml else set(self.pool)
@@ -332,10 +342,10 @@ class Runner:
                 raise StageFailed(f"the vLLM engine {why}; log: {log}" + _log_tail(log))
             time.sleep(POLL_S)
         self._echo(job)
-        from eyas.target.vllm.service import RemoteEngine
-
-        with RemoteEngine(sock, wait_s=5.0) as engine:
-            self.engine_load.update(ready_s=round(time.monotonic() - t0, 3), engine_start_s=round(engine.start_s, 3))
+        # the engine writes SOCKET.json (eyas.target.vllm.service) before it serves: the runner reads it, it never
+        # talks to the engine (the stage commands do)
+        info = read_json(Path(f"{sock}.json"))
+        self.engine_load.update(ready_s=round(time.monotonic() - t0, 3), engine_start_s=round(info["start_s"], 3))
         self._save_state()
         self.log(f"engine: serving on {sock} after {self.engine_load['ready_s']:.1f} s (vLLM's start "
                  f"{self.engine_load['engine_start_s']:.1f} s)")
@@ -525,5 +535,5 @@ def run_pipeline(cfg: RunConfig, run: Path, opts: RunOptions | None = None, stag
         try:
             runner.execute()
         finally:
-            runner.summary = write_report(layout.run, cfg, runner.state, stages)
+            runner.summary = write_report(layout.run, cfg, runner.state, stages, runner.engine_loads)
     return runner

@@ -124,7 +124,7 @@ def load_for_engine(cfg):
     from eyas.target import load_target
 
     return load_target(cfg.target.model, device="cpu", dtype=engine_dtype(cfg),
-                       trust_remote_code=cfg.target.trust_remote_code)
+                       trust_remote_code=cfg.target.trust_remote_code, weights="head")
 
 
 def start_engine(cfg, *, target=None, states_dir=None):

@@ -24,9 +24,14 @@ import time
 from multiprocessing.connection import Client, Listener
 from pathlib import Path
 
-from eyas.common import EyasError, print0
+from eyas.common import EyasError, atomic_write_json, print0
 
 KEY_SUFFIX = ".key"
+INFO_SUFFIX = ".json"  # the served engine's info (layer ids, max_model_len, vLLM's start time), for eyas run
+
+
+def info_path(socket_path: str | Path) -> Path:
+    return Path(f"{socket_path}{INFO_SUFFIX}")
 
 
 class EngineGone(EyasError):
@@ -65,6 +70,8 @@ def serve(engine, socket_path: str | Path, *, log=print0) -> None:
         raise SystemExit(128 + signum)
 
     old = {s: signal.signal(s, _terminate) for s in (signal.SIGTERM, signal.SIGINT)}
+    info_file = info_path(socket_path)
+    atomic_write_json(info_file, {**engine.info(), "pid": os.getpid()})  # for eyas run, which reads, not connects
     listener = Listener(str(socket_path), family="AF_UNIX", authkey=key)
     log(f"engine ready on {socket_path}")
     try:
@@ -78,7 +85,7 @@ def serve(engine, socket_path: str | Path, *, log=print0) -> None:
                 _serve_client(engine, conn, log)
     finally:
         listener.close()
-        for path in (socket_path, key_file):
+        for path in (socket_path, key_file, info_file):
             with contextlib.suppress(FileNotFoundError):
                 path.unlink()
         for s, handler in old.items():
@@ -130,6 +137,15 @@ def _drop_files(paths) -> None:
             read_states(path)  # waits for the writer, then removes the file and its lock
 
 
+def _clear_states(states: Path) -> None:
+    """Remove the connector's files (REQUEST.safetensors, .lock, .tmp) from an engine's own states directory."""
+    if not states.is_dir():
+        return
+    for path in states.iterdir():
+        if path.is_file() and path.name.endswith((".safetensors", ".safetensors.lock", ".safetensors.tmp")):
+            path.unlink(missing_ok=True)
+
+
 def main(cfg, socket_path: str) -> int:
     """`eyas engine`: start the engine of the config's target and serve it."""
     from eyas.target.vllm.capture import start_engine
@@ -137,6 +153,7 @@ def main(cfg, socket_path: str) -> int:
     socket_path = Path(socket_path).expanduser().absolute()
     socket_path.parent.mkdir(parents=True, exist_ok=True)
     states = socket_path.parent / f".{socket_path.name}.states"
+    _clear_states(states)  # files an engine killed before it could remove them
     engine = start_engine(cfg, states_dir=states)
     try:
         serve(engine, socket_path)
