@@ -4,6 +4,8 @@ the disk's raw write rate in the same run, and whether the disk is the bound.
     python bench/capture.py --model llama8b-random     # Llama-3-8B shapes, random bf16 weights, CUDA (~2-3 min on an H200)
     python bench/capture.py --model smollm2 --device cpu --samples 32 --min-len 64 --max-len 192
     python bench/capture.py --tiny                     # the tiny random target on CPU: the whole path in seconds
+    python bench/capture.py --backend hf,vllm          # the capture stage through transformers and through vLLM,
+                                                       # side by side (bench/capture_backends.py; SmolLM2 on CPU)
 
 In order: synthetic prepared data (random ids, fixed seed) in a work directory; the disk's write rate
 there (`--disk-gb` written by as many threads as the capture's writers, each file fsynced); forward-only
@@ -191,6 +193,11 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--writers", type=int, default=0, help="writer threads (default: min(4, cores))")
     p.add_argument("--disk-gb", type=float, default=0.0, help="GB written for the disk's rate (default 4 on CUDA, 0.5 on CPU)")
     p.add_argument("--workdir", default=None, help="where the stores go (default: a temporary directory)")
+    p.add_argument("--backend", default=None, metavar="hf,vllm",
+                   help="instead: the capture stage's tokens/s through each target backend, side by side in one run "
+                        "(bench/capture_backends.py; --model, --samples, --min-len, --max-len and --workdir apply)")
+    p.add_argument("--engine", default='{"max_model_len": 1024}', help="with --backend: target.engine for vLLM (JSON)")
+    p.add_argument("--target-dtype", default="fp32", help="with --backend: target.dtype")
     args = p.parse_args()
     if args.tiny:
         args.model, args.device = "tiny", "cpu"
@@ -247,6 +254,13 @@ def print_table(target, tokens: int, budget: int, shard_tokens: int, writers: in
 
 def main() -> None:
     args = parse_args()
+    if args.backend:
+        import capture_backends
+
+        capture_backends.main(argparse.Namespace(
+            model=args.model, backends=args.backend, samples=args.samples or 32, min_len=args.min_len or 64,
+            max_len=args.max_len or 192, dtype=args.target_dtype, engine=args.engine, workdir=args.workdir))
+        return
     started = time.perf_counter()
     cuda = torch.cuda.is_available() and args.device != "cpu"
     device = "cuda" if cuda and args.device == "auto" else ("cpu" if args.device == "auto" else args.device)

@@ -36,12 +36,12 @@ def parse_args() -> argparse.Namespace:
     return p.parse_args()
 
 
-def main() -> None:
+def main(args: argparse.Namespace | None = None) -> None:
     from capture import make_prepared  # bench/capture.py: the same synthetic data
 
     from eyas.target import load_target
 
-    args = parse_args()
+    args = args or parse_args()
     work = Path(args.workdir or tempfile.mkdtemp(prefix="eyas-bench-backends-"))
     t0 = time.perf_counter()
     target = load_target(args.model, device="cpu", dtype=args.dtype)
