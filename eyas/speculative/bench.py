@@ -4,7 +4,9 @@ A benchmark is a list of requests `{"id", "turns": [user message, ...]}`. Each t
 the chat template over the conversation so far, whose assistant turns are the model's own answers
 (MT-bench's second turn follows the first answer). The same contexts are then decoded by plain
 decoding in the same engine and by transformers `generate`, after a warm-up, for the speedups.
-At temperature 0 the speculative tokens must equal plain decoding's; mismatches are counted.
+At temperature 0 the speculative tokens must equal plain decoding's; mismatches are counted, and for each
+differing turn the first differing position and the plain path's top-2 logit margin there are recorded
+(`plain_divergence`), with their distribution in the summary.
 """
 
 from __future__ import annotations
@@ -16,7 +18,8 @@ from pathlib import Path
 
 from eyas.common import EyasError, atomic_write_json, print0, progress, sha256_json
 from eyas.speculative.engine import SpecEngine
-from eyas.speculative.stats import format_summary, ngram_summary, plot_acceptance, repeat_summary, summarize
+from eyas.speculative.stats import (first_difference, format_margins, format_summary, is_near_tie, margin_summary,
+                                    ngram_summary, plot_acceptance, repeat_summary, summarize)
 
 BUILTIN = ("mt-bench", "humaneval")
 
@@ -205,6 +208,35 @@ def run_baselines(engine: SpecEngine, model, records: list[dict], temperature: f
     return out
 
 
+def plain_divergence(model, device, prompt_ids: list[int], plain: list[int], tokens: list[int]) -> dict | None:
+    """Where a greedy turn's tokens first differ from plain decoding's, and how close the plain path's choice
+    was there: None for an equal turn, else {"position" (in the answer), "plain_token", "spec_token" (None past
+    the end of either), "margin" (its top-1 minus top-2 logit), "top_logit", "plain_is_top1", "spec_token_rank"
+    (1 = the target's top-1), "near_tie"}. The logits come from one teacher-forced forward of the target over the
+    context and the plain answer's first `position` tokens (not the incremental pass that decoded it, so a tiny
+    rounding difference from that pass is possible: `plain_is_top1` says whether they agree)."""
+    import torch
+
+    i = first_difference(tokens, plain)
+    if i is None:
+        return None
+    spec_token = tokens[i] if i < len(tokens) else None
+    out = {"position": i, "plain_token": plain[i] if i < len(plain) else None, "spec_token": spec_token}
+    try:
+        with torch.no_grad():
+            x = torch.tensor([list(prompt_ids) + list(plain[:i])], device=device)
+            logits = model(input_ids=x, attention_mask=torch.ones_like(x)).logits[0, -1].float()  # [V]
+    except (AttributeError, TypeError, RuntimeError) as e:  # a target without an HF forward: position only
+        return {**out, "margin": None, "error": f"{type(e).__name__}: {e}"[:200]}
+    top = logits.topk(2)
+    margin, top_logit = float(top.values[0] - top.values[1]), float(top.values[0])
+    out.update(margin=margin, top_logit=top_logit,
+               plain_is_top1=out["plain_token"] == int(top.indices[0]) if out["plain_token"] is not None else None,
+               spec_token_rank=int((logits > logits[spec_token]).sum()) + 1 if spec_token is not None else None,
+               near_tie=is_near_tie(margin, top_logit))
+    return out
+
+
 def warm_up(engine: SpecEngine, model, tokenizer, settings, eos, hf: bool,
             chat_template_kwargs: dict | None = None) -> None:
     import torch
@@ -263,6 +295,12 @@ def bench_one(engine, target, bench: str, settings, temperature: float, max_new_
         summary.update(repeat_summary(turns))  # how much of tau comes from the target repeating itself
         if temperature == 0:
             summary["plain_mismatches"] = sum(t["tokens"] != p for t, p in zip(turns, baseline["plain_tokens"]))
+            divergences = []
+            for t, p in zip(turns, baseline["plain_tokens"]):  # per differing turn, in the result JSON too
+                if t["tokens"] != p:
+                    t["divergence"] = plain_divergence(target.model, engine.device, t["prompt_ids"], p, t["tokens"])
+                    divergences.append(t["divergence"])
+            summary["plain_mismatch_margins"] = margin_summary(divergences)
             summary.update(ngram_summary(turns, baseline["plain_tokens"], depth))  # what copying alone gives
         summary["wall_s"] = time.perf_counter() - started  # this setting's decoding and the baselines it ran
         for r in records:  # the context ids stay in the file: with them anyone can re-run plain decoding
@@ -281,5 +319,6 @@ def bench_one(engine, target, bench: str, settings, temperature: float, max_new_
         if summary.get("plain_mismatches"):
             print0(f"  warning: {summary['plain_mismatches']} turns differ from plain greedy decoding "
                    f"(expected 0 in fp32; low precision can flip near-ties)")
+            print0(format_margins(summary["plain_mismatch_margins"]))
         summaries[name] = summary
     return summaries

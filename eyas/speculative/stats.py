@@ -80,6 +80,45 @@ def repeat_summary(turns: list[dict], n: int = REPEAT_NGRAM) -> dict:
             "tau_elsewhere": sum(fresh) / len(fresh) if fresh else None}
 
 
+# a first differing token whose plain top-2 margin lies below max(NEAR_TIE_ABS, NEAR_TIE_REL * |top-1 logit|) is a
+# near tie: a difference in rounding between the speculative and the plain pass can flip it
+NEAR_TIE_ABS, NEAR_TIE_REL = 0.1, 0.005
+NEAR_TIE_RULE = f"margin < max({NEAR_TIE_ABS}, {NEAR_TIE_REL} * |top-1 logit|)"
+
+
+def first_difference(tokens: list[int], plain: list[int]) -> int | None:
+    """The first position where a turn's tokens differ from plain decoding's (the shorter one's length when
+    one is a prefix of the other); None when they are equal."""
+    for i, (a, b) in enumerate(zip(tokens, plain)):
+        if a != b:
+            return i
+    return None if len(tokens) == len(plain) else min(len(tokens), len(plain))
+
+
+def is_near_tie(margin: float, top_logit: float) -> bool:
+    return margin < max(NEAR_TIE_ABS, NEAR_TIE_REL * abs(top_logit))
+
+
+def margin_summary(divergences: list[dict]) -> dict:
+    """The distribution of the plain path's top-2 margins at the first differing token of each turn that
+    differs (bench.plain_divergence): count, min/median/max (None without any) and how many are near ties."""
+    margins = sorted(d["margin"] for d in divergences if d.get("margin") is not None)
+    n = len(margins)
+    median = None if not n else margins[n // 2] if n % 2 else (margins[n // 2 - 1] + margins[n // 2]) / 2
+    return {"count": len(divergences), "measured": n, "min": margins[0] if n else None, "median": median,
+            "max": margins[-1] if n else None, "near_ties": sum(1 for d in divergences if d.get("near_tie")),
+            "near_tie_rule": NEAR_TIE_RULE}
+
+
+def format_margins(m: dict) -> str:
+    """One line for eval's output under the warning about turns that differ from plain decoding."""
+    if not m["measured"]:
+        return "  no margin measured at the first differing tokens"
+    return (f"  first differing tokens: plain top-2 logit margin min {m['min']:.4g}, median {m['median']:.4g}, max "
+            f"{m['max']:.4g} over {m['measured']} turns; {m['near_ties']} near ties ({m['near_tie_rule']}; "
+            f"teacher-forced forward of the target on the plain prefix)")
+
+
 NGRAM_MIN, NGRAM_MAX = 1, 3  # the n-gram lengths n-gram lookup tries, longest first (vLLM's ngram defaults)
 
 
