@@ -47,7 +47,11 @@ def test_example_survives_the_run_directory_round_trip(path, tmp_path):
 def test_kimi_examples_fit_the_engine_they_ask_for(path):
     cfg = load_config(str(path))
     engine = cfg.target.engine
-    assert cfg.target.backend == "vllm" and cfg.target.trust_remote_code and engine["trust_remote_code"]
+    assert cfg.target.backend == "vllm" and cfg.target.trust_remote_code
+    from eyas.target.vllm.engine import engine_kwargs  # target.trust_remote_code reaches the engine too
+
+    assert engine_kwargs("DIR", [2, 30, 58, 61], "S", cfg.target.dtype, dict(engine), True)["trust_remote_code"]
+    assert cfg.data.regenerate == "local"  # through the run's engine: one load for regeneration and capture
     # capture refuses a sample as long as the engine's max_model_len (the engine generates one token)
     assert engine["max_model_len"] > cfg.data.max_length
     # extraction runs with chunked prefill off, so one step must take the longest sample whole

@@ -170,7 +170,7 @@ def _regenerate(cfg: RunConfig, target, template: ChatTemplate, convs: list[Conv
             raise EyasError("target.backend=vllm regenerates through a vLLM engine, and none was given")
         results = regenerate_engine(engine, target.tokenizer, prompts, path, template=template,
                                     max_new_tokens=dc.regen_max_new_tokens, temperature=dc.regen_temperature,
-                                    seed=dc.seed)
+                                    seed=dc.seed, chunk=max(64, dc.regen_batch_size))
     elif dc.regenerate == "local":
         from eyas.data.regenerate import regenerate_local
 

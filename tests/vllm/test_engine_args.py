@@ -32,6 +32,10 @@ def test_kwargs_pass_the_users_engine_through_and_add_extraction():
     assert kv["kv_connector_module_path"] == "eyas.target.vllm.connector"
     assert kv["kv_connector_extra_config"]["shared_storage_path"] == "/tmp/states"
     assert engine_kwargs("m", [1, 4], "s", "auto", {"dtype": "half"})["dtype"] == "half"  # the user's wins
+    assert "trust_remote_code" not in kw  # off unless the config says so
+    assert engine_kwargs("m", [1, 4], "s", "bf16", {}, trust_remote_code=True)["trust_remote_code"] is True
+    assert engine_kwargs("m", [1, 4], "s", "bf16", {"trust_remote_code": False},
+                         trust_remote_code=True)["trust_remote_code"] is False  # target.engine says otherwise
 
 
 @pytest.mark.parametrize("engine, match", [({"enable_chunked_prefill": True}, "enable_chunked_prefill"),

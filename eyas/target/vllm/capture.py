@@ -136,7 +136,8 @@ def start_engine(cfg, *, target=None, states_dir=None):
     target = target or load_for_engine(cfg)
     ids = resolve_aux_layers(cfg.target.aux_layers, target.num_layers)
     return ExtractionEngine(model_dir(target), ids, target.num_layers, dtype=engine_dtype(cfg),
-                            engine=cfg.target.engine, states_dir=states_dir)
+                            engine=cfg.target.engine, states_dir=states_dir,
+                            trust_remote_code=cfg.target.trust_remote_code)
 
 
 def connect(socket_path, target, aux_layers: list[int] | None) -> VllmFeatures:

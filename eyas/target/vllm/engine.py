@@ -85,8 +85,10 @@ def engine_layer_ids(aux_layers: list[int], num_layers: int) -> list[int]:
     return [*aux_layers, num_layers]
 
 
-def engine_kwargs(model_dir: str, layer_ids: list[int], states_dir: str, dtype: str, engine: dict) -> dict:
-    """`vllm.LLM`'s keyword arguments: the user's `engine` dict with what extraction needs added."""
+def engine_kwargs(model_dir: str, layer_ids: list[int], states_dir: str, dtype: str, engine: dict,
+                  trust_remote_code: bool = False) -> dict:
+    """`vllm.LLM`'s keyword arguments: the user's `engine` dict with what extraction needs added
+    (target.trust_remote_code reaches the engine too, unless `engine` says otherwise)."""
     for key, value in _FORCED.items():
         if key in engine and engine[key] != value:
             raise EyasError(f"target.engine.{key}={engine[key]!r} cannot be used for hidden-state capture "
@@ -94,7 +96,8 @@ def engine_kwargs(model_dir: str, layer_ids: list[int], states_dir: str, dtype: 
     for key in ("speculative_config", "kv_transfer_config"):
         if key in engine:
             raise EyasError(f"target.engine.{key} is set by eyas for hidden-state capture; remove it from target.engine")
-    kwargs = {"model": model_dir, "seed": 0, **engine, **_FORCED}
+    kwargs = {"model": model_dir, "seed": 0, **({"trust_remote_code": True} if trust_remote_code else {}),
+              **engine, **_FORCED}
     if dtype in _DTYPES and "dtype" not in engine:
         kwargs["dtype"] = _DTYPES[dtype]
     kwargs["speculative_config"] = {
@@ -134,7 +137,7 @@ class ExtractionEngine:
     request's states under `states_dir`. A context manager: leaving it shuts the engine down."""
 
     def __init__(self, model_dir: str | Path, aux_layers: list[int], num_layers: int, *, dtype: str = "auto",
-                 engine: dict | None = None, states_dir: str | Path | None = None):
+                 engine: dict | None = None, states_dir: str | Path | None = None, trust_remote_code: bool = False):
         vllm = require_vllm()
         engine = dict(engine or {})
         self.layer_ids = engine_layer_ids(list(aux_layers), num_layers)
@@ -142,7 +145,7 @@ class ExtractionEngine:
         self._own_dir = states_dir is None
         self.states_dir = Path(states_dir or tempfile.mkdtemp(prefix="eyas-vllm-states-"))
         self.states_dir.mkdir(parents=True, exist_ok=True)
-        kwargs = engine_kwargs(str(model_dir), self.layer_ids, str(self.states_dir), dtype, engine)
+        kwargs = engine_kwargs(str(model_dir), self.layer_ids, str(self.states_dir), dtype, engine, trust_remote_code)
         t0 = time.perf_counter()
         try:
             with _cpu_thread_binding(engine):
