@@ -42,6 +42,15 @@ def add_arguments(p) -> None:
                                "seconds per setting at its first generation. Refused anywhere else")
     compiled.add_argument("--no-compile-draft", action="store_true",
                           help="run the draft's passes uncompiled (eval.compile_draft=false)")
+    p.add_argument("--engine", choices=("eyas", "vllm"), default="eyas",
+                   help="who decodes: eyas (default; its own engine, chains and trees, one request at a time) or "
+                        "vllm (vLLM itself, as it would serve the draft: the draft exported for vLLM, chains of "
+                        "--steps tokens, target.engine passed to vllm.LLM; a second opinion on tau, acceptance by "
+                        "position and the speedup over plain vLLM decoding; needs vLLM installed). Results are "
+                        "named BENCH-vllm-chain-K")
+    p.add_argument("--batch-size", type=positive_int, default=1,
+                   help="with --engine vllm: requests decoded at once (default 1; only then is tau known per "
+                        "request, since vLLM counts acceptance per engine)")
     p.add_argument("--out", default="eval/result.json",
                    help="RESULT.json; with several benchmarks or settings, -BENCH-SETTING is added to the name")
     p.add_argument("--out-dir", help="write DIR/BENCH-SETTING.json and .png instead (the layout of a run's eval/)")
@@ -86,7 +95,15 @@ def main(args) -> int:
 
     cfg = _config(args)
     check_benches(cfg.eval.benches, cfg.data.max_record_mb)  # before the target and the draft are loaded
-    settings = _settings(args, cfg)
+    if args.engine == "vllm":
+        from eyas.target.vllm.speculate import chain_settings
+
+        if args.tree:
+            raise EyasError("--tree: trees are eyas-only (vLLM's EAGLE-3 drafts chains); drop --tree or use "
+                            "--engine eyas")
+        settings = chain_settings([args.steps] if args.steps is not None else cfg.eval.steps)
+    else:
+        settings = _settings(args, cfg)
     out = Path(args.out)
     if out.suffix != ".json" or out.name == stage.SUMMARY:
         raise EyasError(f"--out {out}: expected a path ending in .json (other than {stage.SUMMARY}, which eval keeps "
@@ -99,5 +116,6 @@ def main(args) -> int:
         return out.with_name(f"{out.stem}-{bench}-{name}.json" if many else out.name)
 
     stage.run(cfg, stage.Inputs(draft=args.draft), args.out_dir or out.parent, settings=settings,
-              result_path=result_path, require_compile=args.compile_draft, own_out=bool(args.out_dir))
+              result_path=result_path, require_compile=args.compile_draft, own_out=bool(args.out_dir),
+              engine=args.engine, batch_size=args.batch_size)
     return 0

@@ -36,25 +36,50 @@ class Inputs:
 
 def run(cfg, inputs: Inputs, out: str | Path, *, target=None, settings: list | None = None,
         result_path: Callable[[str, str], Path] | None = None, hf: bool | None = None,
-        require_compile: bool = False, own_out: bool | None = None) -> dict:
+        require_compile: bool = False, own_out: bool | None = None, engine: str = "eyas",
+        batch_size: int = 1) -> dict:
     """Every benchmark of cfg.eval with every setting (default: cfg.eval.steps and cfg.eval.tree) ->
     OUT/<bench>-<setting>.json|.png (or where `result_path(bench, setting)` says) and summary.json beside
     them; -> {bench: {setting: summary}}. `target`: an already loaded target, else cfg.target.model.
     `require_compile`: eval.compile_draft was asked for explicitly, so a device that cannot honour it is an
     error rather than a warning. `own_out` (default: without `result_path`): `out` is the results' own
     directory, claimed and locked for the stage (eyas.ownership); else it is the user's (the directory of one
-    result file) and left as it is."""
+    result file) and left as it is. `engine`: "eyas" (eyas's own speculative engine) or "vllm" (vLLM itself
+    measures the chains, `batch_size` requests at once: eyas.target.vllm.speculate)."""
+    if engine not in ("eyas", "vllm"):
+        raise EyasError(f"eval engine {engine!r} is not one of: eyas, vllm")
+    if engine == "eyas" and batch_size != 1:
+        raise EyasError(f"--batch-size {batch_size}: eyas's engine decodes one request at a time; "
+                        f"batches need --engine vllm")
+    stage = _run if engine == "eyas" else _run_vllm
     own_out = result_path is None if own_out is None else own_out
     if own_out:
         with writing(out, "eval") as out:
-            return _run(cfg, inputs, out, target, settings, result_path, hf, require_compile)
+            return stage(cfg, inputs, out, target, settings, result_path, hf, require_compile, batch_size)
     if Path(out).exists() and not Path(out).is_dir():
         raise EyasError(f"{out} is an existing file, not a directory: the results cannot go there; choose another "
                         f"--out")
-    return _run(cfg, inputs, out, target, settings, result_path, hf, require_compile)
+    return stage(cfg, inputs, out, target, settings, result_path, hf, require_compile, batch_size)
 
 
-def _run(cfg, inputs: Inputs, out: str | Path, target, settings, result_path, hf, require_compile) -> dict:
+def _run_vllm(cfg, inputs: Inputs, out: str | Path, target, settings, result_path, hf, require_compile,
+              batch_size: int) -> dict:
+    """The chains through vLLM, which loads the target itself (`target` and `hf` are for eyas's engine)."""
+    from eyas.target.vllm import speculate
+
+    started = time.perf_counter()
+    if require_compile:
+        raise EyasError("--compile-draft compiles eyas's own engine; vLLM compiles (or not) as target.engine "
+                        "says: drop --compile-draft with --engine vllm")
+    settings = speculate.chain_settings(cfg.eval.steps) if settings is None else settings
+    if result_path is None:
+        Path(out).mkdir(parents=True, exist_ok=True)
+        result_path = lambda bench, name: Path(out) / eval_result_name(bench, name)  # noqa: E731
+    return speculate.run(cfg, inputs.draft, settings, result_path, batch_size=batch_size, started=started)
+
+
+def _run(cfg, inputs: Inputs, out: str | Path, target, settings, result_path, hf, require_compile,
+         batch_size: int = 1) -> dict:
     from eyas.speculative.bench import settings_of
     from eyas.speculative.build import build_engine
 

@@ -2,7 +2,8 @@
 `speculators`, each loaded with speculative_config {"method": "eagle3", "num_speculative_tokens": K} on the CPU in
 fp32. Greedy output must be plain vLLM decoding's token for token, and vLLM's counters (drafts, accepted tokens,
 accepted per position) must equal what eyas's own engine counts on the same prompt ids, request by request (one
-request per generate call, counters read around it). Engines start one after the other, each once."""
+request per generate call, counters read around it), and so must vLLM's per-request report, cycle by cycle.
+Engines start one after the other, each once."""
 
 import pytest
 from conftest import ENGINE, require_vllm
@@ -42,14 +43,15 @@ def eyas_counts(target, draft_run, prompts):
     for ids in prompts:
         res = engine.generate(ids, NEW, eos_token_ids=eos_ids(target), steps=K)
         out.append({"tokens": res.tokens, "drafts": res.num_cycles, "accepted": sum(res.accepted_per_cycle),
-                    "per_position": [sum(a > p for a in res.accepted_per_cycle) for p in range(K)]})
+                    "per_position": [sum(a > p for a in res.accepted_per_cycle) for p in range(K)],
+                    "per_cycle": res.accepted_per_cycle})
     return out
 
 
 @pytest.fixture(scope="module")
 def served(tiny_llama_dir, target, draft_run, prompts, tmp_path_factory):
-    """{"plain" | format: [per request {"tokens", "drafts", "accepted", "per_position"}]} from vLLM, one engine at
-    a time, one request per generate call."""
+    """{"plain" | format: [per request {"tokens", "drafts", "accepted", "per_position" (vLLM's counters over the
+    call), "per_cycle" (its per-request report)}]} from vLLM, one engine at a time, one request per generate call."""
     from eyas.formats import export
     from eyas.target.vllm.speculate import ServingEngine, sampling
 
@@ -60,8 +62,8 @@ def served(tiny_llama_dir, target, draft_run, prompts, tmp_path_factory):
         with ServingEngine(str(tiny_llama_dir), dtype="fp32", engine=ENGINE, draft_dir=draft_dir, k=K) as engine:
             out[name] = []
             for ids in prompts:
-                (tokens,), _, counts = engine.generate([ids], params)
-                out[name].append({"tokens": tokens, **counts})
+                (output,), _, counts = engine.generate([ids], params)
+                out[name].append({"tokens": output["tokens"], "per_cycle": output["accepted"], **counts})
     return out
 
 
@@ -82,5 +84,7 @@ def test_vllm_counters_equal_eyas_engine_per_request(served, eyas_counts, fmt):
     got = [{k: r[k] for k in ("drafts", "accepted", "per_position")} for r in served[fmt]]
     want = [{k: r[k] for k in ("drafts", "accepted", "per_position")} for r in eyas_counts]
     assert got == want
+    # vLLM's own per-request report: the accepted drafts of each verification, cycle by cycle eyas's
+    assert [r["per_cycle"] for r in served[fmt]] == [r["per_cycle"] for r in eyas_counts]
     assert sum(r["accepted"] for r in want) > 0  # the draft is accepted at times: the comparison has content
     assert any(r["per_position"][K - 1] for r in want)  # up to the last position

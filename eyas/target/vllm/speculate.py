@@ -6,12 +6,13 @@ a checkpoint is first exported in the `vllm` format to a temporary directory. `t
 `vllm.LLM` unchanged. Benchmark turns are rendered as `eyas eval` renders them (eyas.speculative.bench), and
 `batch_size` requests go to the engine at once; a conversation's next turn follows the engine's own answer.
 
-vLLM counts drafts, accepted draft tokens and accepted tokens per position per engine, not per request: the
-counters are read before and after each generate call, so with batch size 1 (one turn per call) a request's own
-tau is known, with more only the pooled figures. tau = 1 + accepted / drafts: tokens per verification, as eyas's
-tau_pooled. A plain engine (no draft), started once the speculative ones are shut down, then decodes the same
-contexts in the same batches: tokens/s without the draft, the speedup, and at temperature 0 the turns whose
-output differs from it.
+vLLM's counters (drafts, accepted draft tokens, accepted per position; the `vllm:spec_decode_*` metrics), read
+before and after each generate call, give the pooled figures: tau = 1 + accepted / drafts, tokens per
+verification, as eyas's tau_pooled. Each request's accepted drafts per verification come with its output
+(`per_request_spec_decode_metrics="detailed"`, vLLM 0.32): the per-request tau, and turns in the same schema as
+eyas eval's. A plain engine (no draft), started once the speculative ones are shut down, then decodes the same
+contexts in the same batches: tokens/s without the draft, the speedup, and at temperature 0 the turns and requests
+whose output differs from it.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from eyas.common import EyasError, print0, read_json
+from eyas.common import EyasError, print0, read_json, warn
 
 # vLLM's counter names (vllm.v1.spec_decode.metrics): per engine, summed over its labels
 DRAFTS = "vllm:spec_decode_num_drafts"
@@ -46,7 +47,7 @@ def served_draft(draft: str | Path, tmp: Path) -> tuple[Path, dict]:
     side = d / "eyas.json"
     if side.is_file() and read_json(side).get("format") in ("vllm", "speculators"):
         return d, meta
-    return export(d, tmp / "vllm", "vllm", dtype="fp32"), meta
+    return export(d, tmp / "vllm", "vllm", dtype="fp32")["vllm"], meta
 
 
 def engine_kwargs(model_dir: str, dtype: str, engine: dict, draft_dir: str | Path | None = None,
@@ -61,6 +62,8 @@ def engine_kwargs(model_dir: str, dtype: str, engine: dict, draft_dir: str | Pat
         kwargs["dtype"] = _DTYPES[dtype]
     if draft_dir is not None:
         kwargs["speculative_config"] = {"method": "eagle3", "model": str(draft_dir), "num_speculative_tokens": k}
+        # each request's accepted drafts per verification, returned with its output (vLLM >= 0.32)
+        kwargs.setdefault("per_request_spec_decode_metrics", "detailed")
     return kwargs
 
 
@@ -109,8 +112,9 @@ class ServingEngine:
                 out["per_position"] = [a + int(b) for a, b in zip(out["per_position"], m.values)]
         return out
 
-    def generate(self, prompts: list[list[int]], params) -> tuple[list[list[int]], float, dict]:
-        """-> (each prompt's new token ids, seconds, the counters' increase over this call)."""
+    def generate(self, prompts: list[list[int]], params) -> tuple[list[dict], float, dict]:
+        """-> (per prompt {"tokens": new ids, "accepted": accepted drafts per verification or None where vLLM
+        does not report them per request}, seconds, the counters' increase over this call)."""
         before = self.counters()
         t0 = time.perf_counter()
         outs = self.llm.generate([{"prompt_token_ids": list(p)} for p in prompts], params, use_tqdm=False)
@@ -118,7 +122,17 @@ class ServingEngine:
         after = self.counters()
         delta = {"drafts": after["drafts"] - before["drafts"], "accepted": after["accepted"] - before["accepted"],
                  "per_position": [a - b for a, b in zip(after["per_position"], before["per_position"])]}
-        return [list(o.outputs[0].token_ids) for o in outs], seconds, delta
+        return [_output(o.outputs[0]) for o in outs], seconds, delta
+
+
+def _output(completion) -> dict:
+    """A completion's new token ids and, where vLLM reports them per request (its `detailed` level), the accepted
+    drafts of each verification."""
+    metrics = getattr(completion, "spec_decode_metrics", None)
+    steps = getattr(metrics, "per_step_accepted", None) if metrics is not None else None
+    if steps is not None and len(steps) != sum(metrics.histogram):  # the `summary` level: counts, not the order
+        steps = None
+    return {"tokens": list(completion.token_ids), "accepted": None if steps is None else list(steps)}
 
 
 def sampling(temperature: float, max_new_tokens: int, eos: list[int]):
@@ -132,8 +146,8 @@ def sampling(temperature: float, max_new_tokens: int, eos: list[int]):
 def decode_bench(engine: ServingEngine, tokenizer, requests: list[dict], batch_size: int, params,
                  chat_template_kwargs: dict | None = None) -> tuple[list[dict], list[dict]]:
     """Every turn of every request, `batch_size` requests a call -> (records [{"id", "turns": [{"prompt_ids",
-    "tokens", "text"}]}], calls [{"turns": [(request, turn)], "seconds", "num_tokens", "drafts", "accepted",
-    "per_position"}])."""
+    "tokens", "text", "num_cycles", "accepted" (per cycle, where vLLM reports it per request)}]}], calls
+    [{"turns": [(request, turn)], "seconds", "num_tokens", "drafts", "accepted", "per_position"}])."""
     from eyas.speculative.bench import encode_turn
 
     records = [{"id": r["id"], "turns": []} for r in requests]
@@ -148,16 +162,15 @@ def decode_bench(engine: ServingEngine, tokenizer, requests: list[dict], batch_s
                 histories[i].append({"role": "user", "content": requests[i]["turns"][j]})
                 prompts.append(encode_turn(tokenizer, histories[i], chat_template_kwargs))
             outputs, seconds, counts = engine.generate(prompts, params)
-            for i, ids, tokens in zip(live, prompts, outputs):
-                text = tokenizer.decode(tokens, skip_special_tokens=True)
+            for i, ids, out in zip(live, prompts, outputs):
+                text = tokenizer.decode(out["tokens"], skip_special_tokens=True)
                 histories[i].append({"role": "assistant", "content": text})
-                turn = {"prompt_ids": ids, "num_prompt_tokens": len(ids), "tokens": tokens, "text": text}
-                if len(live) == 1:  # the call's counters are this turn's own
-                    turn.update(num_cycles=counts["drafts"], num_accepted=counts["accepted"],
-                                accepted_per_position=counts["per_position"])
+                turn = {"prompt_ids": ids, "num_prompt_tokens": len(ids), "tokens": out["tokens"], "text": text}
+                if out["accepted"] is not None:
+                    turn.update(num_cycles=len(out["accepted"]), accepted=out["accepted"])
                 records[i]["turns"].append(turn)
             calls.append({"turns": [(i, j) for i in live], "seconds": seconds,
-                          "num_tokens": sum(len(t) for t in outputs), **counts})
+                          "num_tokens": sum(len(o["tokens"]) for o in outputs), **counts})
     return records, calls
 
 
@@ -167,9 +180,9 @@ def replay(engine: ServingEngine, records: list[dict], calls: list[dict], params
     tokens, seconds, num = {}, 0.0, 0
     for call in calls:
         outputs, s, _ = engine.generate([records[i]["turns"][j]["prompt_ids"] for i, j in call["turns"]], params)
-        tokens.update(zip(call["turns"], outputs))
+        tokens.update(zip(call["turns"], (o["tokens"] for o in outputs)))
         seconds += s
-        num += sum(len(t) for t in outputs)
+        num += sum(len(o["tokens"]) for o in outputs)
     return {"tokens": tokens, "seconds": seconds, "num_tokens": num}
 
 
@@ -181,12 +194,13 @@ def summarize(records: list[dict], calls: list[dict], plain: dict, k: int, batch
     per_position = [sum(c["per_position"][p] for c in calls) for p in range(k)]
     tokens, seconds = sum(c["num_tokens"] for c in calls), sum(c["seconds"] for c in calls)
     per_request = None
-    if batch_size == 1:  # one turn per call: each request's own counters
-        mine: dict[int, list[int]] = {}
-        for c in calls:
-            d, a = mine.setdefault(c["turns"][0][0], [0, 0]), c["accepted"]
-            d[0], d[1] = d[0] + c["drafts"], d[1] + a
-        taus = [1 + a / d for d, a in mine.values() if d]
+    turns = [t for r in records for t in r["turns"]]
+    if turns and all("accepted" in t for t in turns):  # vLLM reported each request's cycles
+        if sum(t["num_cycles"] for t in turns) != drafts or sum(sum(t["accepted"]) for t in turns) != accepted:
+            warn(f"vLLM's per-request acceptance ({sum(t['num_cycles'] for t in turns)} cycles) disagrees with its "
+                 f"counters ({drafts} drafts); tau is the counters'")
+        mine = [[a for t in r["turns"] for a in t["accepted"]] for r in records]
+        taus = [1 + sum(a) / len(a) for a in mine if a]
         per_request = sum(taus) / len(taus) if taus else 0.0
     reached = [drafts, *per_position]
     summary = {
@@ -243,6 +257,7 @@ def run(cfg, draft: str | Path, settings: list[tuple[str, dict]], result_path, *
     from eyas.common import atomic_write_json
     from eyas.data.template import stop_token_ids
     from eyas.speculative.bench import bench_name, encode_turn, load_bench
+    from eyas.speculative.stats import plot_acceptance
     from eyas.stages.eval import update_summary
     from eyas.target import load_target
     from eyas.target.vllm.capture import engine_dtype, model_dir
@@ -310,6 +325,8 @@ def run(cfg, draft: str | Path, settings: list[tuple[str, dict]], result_path, *
                 "calls": [{**c, "turns": [list(t) for t in c["turns"]]} for c in calls],
                 "prompts": records,
             })
+            if summary["tau_per_request"] is not None:
+                plot_acceptance(summary, f"{bench} {name} (vLLM)", path.with_suffix(".png"))
             summaries[name], paths[(bench, name)] = summary, (path, path.with_suffix(".png"))
             rows.append((bench, name, summary))
         started = update_summary(bench, summaries, paths, cfg, str(draft), started)

@@ -1,0 +1,107 @@
+"""`eyas eval --engine vllm` on the tiny Llama (head_dim 32) with a trained draft: the command starts vLLM with the
+draft (exported for it on the fly), then a plain engine, and writes RESULT.json whose tau and acceptance by position
+are what eyas's own engine counts on the same prompt ids (vLLM's counters equal eyas's: test_exports_vllm.py),
+cycle by cycle per turn; the output equals plain decoding. One run of the command (two engines, batch size 2) for
+the module."""
+
+import json
+
+import pytest
+from conftest import ENGINE, require_vllm
+from tiny_draft import eos_ids, train_tiny_draft
+
+from eyas.cli import main
+
+require_vllm()
+
+K = 3
+NEW = 12
+BENCH = [{"id": "a", "prompt": "hello there"},
+         {"id": "b", "messages": [{"role": "user", "content": "one"}, {"role": "assistant", "content": "x"},
+                                  {"role": "user", "content": "two"}]},
+         {"id": "c", "prompt": "count to five"}]
+
+
+@pytest.fixture(scope="module")
+def target(tiny_llama_dir):
+    from eyas.target import load_target
+
+    return load_target(str(tiny_llama_dir), device="cpu", dtype="fp32")
+
+
+@pytest.fixture(scope="module")
+def draft_run(target, tmp_path_factory):
+    return train_tiny_draft(target, tmp_path_factory.mktemp("draft-run"))
+
+
+def _argv(tiny_llama_dir, draft, bench, *extra):
+    return ["eval", "--config", "tiny", "--target", str(tiny_llama_dir), "--draft", str(draft), "--bench", str(bench),
+            "--max-new-tokens", str(NEW), "--limit", "0", "--engine", "vllm", "--set", "target.device=cpu",
+            "--set", "target.dtype=fp32", "--set", f"target.engine={json.dumps(ENGINE)}", *extra]
+
+
+@pytest.fixture(scope="module")
+def evaluated(tiny_llama_dir, draft_run, tmp_path_factory):
+    root = tmp_path_factory.mktemp("eval-vllm")
+    bench = root / "prompts.jsonl"
+    bench.write_text("".join(json.dumps(r) + "\n" for r in BENCH))
+    out = root / "eval"
+    argv = _argv(tiny_llama_dir, draft_run, bench, "--steps", str(K), "--batch-size", "2", "--out-dir", str(out))
+    assert main(argv) == 0
+    return out
+
+
+def test_result_has_the_counts_of_eyas_engine(evaluated, target, draft_run):
+    from eyas.speculative.build import build_engine
+
+    path = evaluated / "prompts-vllm-chain-3.json"
+    doc = json.loads(path.read_text())
+    s = doc["summary"]
+    assert doc["engine"] == "vllm" and doc["settings"]["steps"] == K and doc["settings"]["batch_size"] == 2
+    # requests a and b in one call, then b's second turn alone, then c
+    assert [c["turns"] for c in doc["calls"]] == [[[0, 0], [1, 0]], [[1, 1]], [[2, 0]]]
+    assert s["num_requests"] == 3 and [len(p["turns"]) for p in doc["prompts"]] == [1, 2, 1]
+    engine, _ = build_engine(target, draft_run)
+    cycles = accepted = 0
+    per_position = [0] * K
+    for record in doc["prompts"]:
+        for turn in record["turns"]:
+            res = engine.generate(turn["prompt_ids"], NEW, eos_token_ids=eos_ids(target), steps=K)
+            assert res.tokens == turn["tokens"]
+            assert turn["accepted"] == res.accepted_per_cycle and turn["num_cycles"] == res.num_cycles
+            mine = [sum(a > p for a in res.accepted_per_cycle) for p in range(K)]
+            cycles += res.num_cycles
+            accepted += sum(res.accepted_per_cycle)
+            per_position = [a + b for a, b in zip(per_position, mine)]
+    assert accepted > 0
+    # the pooled figures come from vLLM's counters, the per-turn ones from its per-request report: they agree
+    assert s["num_cycles"] == cycles and s["tau_pooled"] == pytest.approx(1 + accepted / cycles)
+    assert sum(c["drafts"] for c in doc["calls"]) == cycles
+    assert s["accept_at_position"] == pytest.approx([n / cycles for n in per_position])
+    assert s["plain_mismatches"] == 0 and s["plain_mismatched_requests"] == 0
+    assert s["tokens_per_s"] > 0 and s["plain_tokens_per_s"] > 0
+    assert s["speedup_vs_plain"] == pytest.approx(s["tokens_per_s"] / s["plain_tokens_per_s"])
+    # the second turn of b follows vLLM's own first answer, rendered with the chat template as eyas eval does
+    from eyas.speculative.bench import encode_turn
+
+    b = doc["prompts"][1]["turns"]
+    history = [{"role": "user", "content": "one"}, {"role": "assistant", "content": b[0]["text"]},
+               {"role": "user", "content": "two"}]
+    assert b[1]["prompt_ids"] == encode_turn(target.tokenizer, history)
+    taus = [1 + sum(a) / len(a) for a in ([x for t in r["turns"] for x in t["accepted"]] for r in doc["prompts"])]
+    assert s["tau_per_request"] == pytest.approx(sum(taus) / len(taus))
+    assert path.with_suffix(".png").is_file()
+    summary = json.loads((evaluated / "summary.json").read_text())
+    assert summary["results"]["prompts-vllm-chain-3"]["tau_pooled"] == s["tau_pooled"]
+
+
+def test_tree_and_eyas_batches_are_refused_in_one_line(tiny_llama_dir, tmp_path, capsys):
+    """Both before any model or draft is read (the draft path does not even exist)."""
+    bench = tmp_path / "p.jsonl"
+    bench.write_text(json.dumps(BENCH[0]) + "\n")
+    assert main(_argv(tiny_llama_dir, tmp_path / "no-draft", bench, "--tree", "2,3,6")) == 2
+    err = capsys.readouterr().err.strip()
+    assert "trees are eyas-only" in err and "\n" not in err
+    eyas = [a for a in _argv(tiny_llama_dir, tmp_path / "no-draft", bench) if a not in ("--engine", "vllm")]
+    assert main(eyas + ["--batch-size", "2"]) == 2
+    assert "batches need --engine vllm" in capsys.readouterr().err
