@@ -44,13 +44,13 @@ def add_arguments(p) -> None:
                           help="run the draft's passes uncompiled (eval.compile_draft=false)")
     p.add_argument("--engine", choices=("eyas", "vllm"), default="eyas",
                    help="who decodes: eyas (default; its own engine, chains and trees, one request at a time) or "
-                        "vllm (vLLM itself, as it would serve the draft: the draft exported for vLLM, chains of "
-                        "--steps tokens, target.engine passed to vllm.LLM; a second opinion on tau, acceptance by "
-                        "position and the speedup over plain vLLM decoding; needs vLLM installed). Results are "
-                        "named BENCH-vllm-chain-K")
+                        "vllm (vLLM itself, as it would serve the draft: a checkpoint is exported for vLLM first, "
+                        "chains of --steps tokens (default: each of eval.steps), target.engine passed to vllm.LLM; "
+                        "a second opinion on tau, acceptance by position and the speedup over plain vLLM "
+                        "decoding; needs vLLM installed; results named BENCH-vllm-chain-K; docs/VLLM.md)")
     p.add_argument("--batch-size", type=positive_int, default=1,
-                   help="with --engine vllm: requests decoded at once (default 1; only then is tau known per "
-                        "request, since vLLM counts acceptance per engine)")
+                   help="with --engine vllm: requests sent to the engine at once (default 1); acceptance does not "
+                        "depend on it, tokens/s and the speedup do")
     p.add_argument("--out", default="eval/result.json",
                    help="RESULT.json; with several benchmarks or settings, -BENCH-SETTING is added to the name")
     p.add_argument("--out-dir", help="write DIR/BENCH-SETTING.json and .png instead (the layout of a run's eval/)")

@@ -254,10 +254,8 @@ def run(cfg, draft: str | Path, settings: list[tuple[str, dict]], result_path, *
     """Every benchmark of cfg.eval with every chain setting through vLLM -> RESULT.json at
     `result_path(bench name, setting)` and summary.json beside it; -> {bench name: {setting: summary}}.
     One engine per chain length, then one plain engine for all benchmarks."""
-    from eyas.common import atomic_write_json
     from eyas.data.template import stop_token_ids
     from eyas.speculative.bench import bench_name, encode_turn, load_bench
-    from eyas.speculative.stats import plot_acceptance
     from eyas.stages.eval import update_summary
     from eyas.target import load_target
     from eyas.target.vllm.capture import engine_dtype, model_dir
@@ -303,30 +301,21 @@ def run(cfg, draft: str | Path, settings: list[tuple[str, dict]], result_path, *
         engine.generate(hello, warm)
         plain = {b: replay(engine, *spec[first][b], params) for b in benches}
     wall[first] += time.perf_counter() - t0
+    about = {"engine": "vllm", "batch_size": batch_size, "temperature": cfg.eval.temperature,
+             "max_new_tokens": cfg.eval.max_new_tokens, "limit": cfg.eval.limit, "target": target.identity,
+             "dtype": dtype, "target_engine": cfg.target.engine, "draft": str(draft), "served_draft": served,
+             "aux_layers": meta.get("aux_layers"), "vllm_version": _vllm_version(),
+             **({"chat_template_kwargs": kwargs} if kwargs else {})}
     results, rows = {}, []
-    for bench, requests in benches.items():
+    for bench in benches:
         summaries, paths = {}, {}
         for name, setting in settings:
             records, calls = spec[name][bench]
             summary = summarize(records, calls, plain[bench], setting["steps"], batch_size, cfg.eval.temperature)
             summary["wall_s"] = wall[name] / len(benches)
             path = Path(result_path(bench, name))
-            path.parent.mkdir(parents=True, exist_ok=True)
-            atomic_write_json(path, {
-                "engine": "vllm",
-                "settings": {"bench": bench, "setting": name, "engine": "vllm", "steps": setting["steps"],
-                             "batch_size": batch_size, "temperature": cfg.eval.temperature,
-                             "max_new_tokens": cfg.eval.max_new_tokens, "limit": cfg.eval.limit,
-                             "target": target.identity, "dtype": dtype, "target_engine": cfg.target.engine,
-                             "draft": str(draft), "served_draft": served,
-                             "aux_layers": meta.get("aux_layers"), "vllm_version": _vllm_version(),
-                             **({"chat_template_kwargs": kwargs} if kwargs else {})},
-                "summary": summary,
-                "calls": [{**c, "turns": [list(t) for t in c["turns"]]} for c in calls],
-                "prompts": records,
-            })
-            if summary["tau_per_request"] is not None:
-                plot_acceptance(summary, f"{bench} {name} (vLLM)", path.with_suffix(".png"))
+            _write_result(path, {"bench": bench, "setting": name, "steps": setting["steps"], **about}, summary,
+                          records, calls)
             summaries[name], paths[(bench, name)] = summary, (path, path.with_suffix(".png"))
             rows.append((bench, name, summary))
         started = update_summary(bench, summaries, paths, cfg, str(draft), started)
@@ -337,6 +326,19 @@ def run(cfg, draft: str | Path, settings: list[tuple[str, dict]], result_path, *
                "precision and batching can flip near-ties)")
     print0(f"results: {', '.join(str(p) for p in (result_path(b, n) for b, n, _ in rows))}")
     return results
+
+
+def _write_result(path: Path, settings: dict, summary: dict, records: list[dict], calls: list[dict]) -> None:
+    """RESULT.json in eval's layout (settings, summary, prompts) plus each generate call, and its plot."""
+    from eyas.common import atomic_write_json
+    from eyas.speculative.stats import plot_acceptance
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_json(path, {"engine": "vllm", "settings": settings, "summary": summary,
+                             "calls": [{**c, "turns": [list(t) for t in c["turns"]]} for c in calls],
+                             "prompts": records})
+    if summary["tau_per_request"] is not None:  # the plot's title names it
+        plot_acceptance(summary, f"{settings['bench']} {settings['setting']} (vLLM)", path.with_suffix(".png"))
 
 
 def _vllm_version() -> str:
