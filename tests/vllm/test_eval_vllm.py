@@ -105,3 +105,14 @@ def test_tree_and_eyas_batches_are_refused_in_one_line(tiny_llama_dir, tmp_path,
     eyas = [a for a in _argv(tiny_llama_dir, tmp_path / "no-draft", bench) if a not in ("--engine", "vllm")]
     assert main(eyas + ["--batch-size", "2"]) == 2
     assert "batches need --engine vllm" in capsys.readouterr().err
+
+
+def test_without_vllm_the_install_line(tiny_llama_dir, tmp_path, capsys, monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "vllm", None)  # `import vllm` raises ImportError
+    bench = tmp_path / "p.jsonl"
+    bench.write_text(json.dumps(BENCH[0]) + "\n")
+    assert main(_argv(tiny_llama_dir, tmp_path / "no-draft", bench, "--steps", str(K))) == 2
+    err = capsys.readouterr().err.strip()
+    assert "needs vLLM, which cannot be imported" in err and "pip install" in err and "\n" not in err
