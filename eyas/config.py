@@ -134,7 +134,9 @@ class DataConfig:
     regenerate: str | None = None  # None | "local" | an OpenAI-compatible base URL
     regen_max_new_tokens: int = 256
     regen_temperature: float = 0.0
-    regen_batch_size: int = 16  # rows decoded at once (a finished row is given the next prompt)
+    # rows decoded at once (a finished row is given the next prompt); through vLLM (target.backend=vllm), the
+    # prompts handed to the engine at a time (at least 64; the engine batches them by tokens itself)
+    regen_batch_size: int = 16
     regen_cuda_graphs: bool = True  # on CUDA, replay each decoding step of local regeneration as a CUDA graph
     regen_concurrency: int = 8  # requests in flight to an OpenAI-compatible server
     regen_timeout_s: float = 120.0  # per request to a server
@@ -377,6 +379,10 @@ class RunConfig:
         if self.train.ttt > self.data.max_length:
             raise ConfigError(f"train.ttt={self.train.ttt} is longer than data.max_length={self.data.max_length}: "
                               f"a sample has no tokens for the later training-time-test steps")
+        if self.target.backend == "vllm" and self.capture.mode == "online":
+            raise ConfigError("capture.mode=online runs the target with transformers inside every training process, "
+                              "which target.backend=vllm is chosen to avoid: use capture.mode=store (the engine "
+                              "writes the store, training reads it) or target.backend=hf")
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

@@ -187,3 +187,9 @@ def test_a_file_that_is_not_yaml_text_is_refused(tmp_path):
     nan.write_text("preset: tiny\ntrain:\n  lr: .nan\n")
     with pytest.raises(ConfigError, match="train.lr=nan: expected a finite number"):
         load_config(str(nan))
+
+
+def test_online_capture_through_vllm_is_refused():
+    with pytest.raises(ConfigError, match=r"capture.mode=online runs the target with transformers.*capture.mode=store"):
+        load_config("tiny", ["target.backend=vllm", "capture.mode=online"])
+    assert load_config("tiny", ["target.backend=vllm"]).capture.mode == "store"

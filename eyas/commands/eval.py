@@ -96,7 +96,7 @@ def main(args) -> int:
     cfg = _config(args)
     check_benches(cfg.eval.benches, cfg.data.max_record_mb)  # before the target and the draft are loaded
     if args.engine == "vllm":
-        from eyas.target.vllm.speculate import chain_settings
+        from eyas.stages.eval_vllm import chain_settings
 
         if args.tree:
             raise EyasError("--tree: trees are eyas-only (vLLM's EAGLE-3 drafts chains); drop --tree or use "

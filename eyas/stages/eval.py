@@ -45,7 +45,7 @@ def run(cfg, inputs: Inputs, out: str | Path, *, target=None, settings: list | N
     error rather than a warning. `own_out` (default: without `result_path`): `out` is the results' own
     directory, claimed and locked for the stage (eyas.ownership); else it is the user's (the directory of one
     result file) and left as it is. `engine`: "eyas" (eyas's own speculative engine) or "vllm" (vLLM itself
-    measures the chains, `batch_size` requests at once: eyas.target.vllm.speculate)."""
+    measures the chains, `batch_size` requests at once: eyas.stages.eval_vllm)."""
     if engine not in ("eyas", "vllm"):
         raise EyasError(f"eval engine {engine!r} is not one of: eyas, vllm")
     if engine == "eyas" and batch_size != 1:
@@ -65,17 +65,17 @@ def run(cfg, inputs: Inputs, out: str | Path, *, target=None, settings: list | N
 def _run_vllm(cfg, inputs: Inputs, out: str | Path, target, settings, result_path, hf, require_compile,
               batch_size: int) -> dict:
     """The chains through vLLM, which loads the target itself (`target` and `hf` are for eyas's engine)."""
-    from eyas.target.vllm import speculate
+    from eyas.stages import eval_vllm
 
     started = time.perf_counter()
     if require_compile:
         raise EyasError("--compile-draft compiles eyas's own engine; vLLM compiles (or not) as target.engine "
                         "says: drop --compile-draft with --engine vllm")
-    settings = speculate.chain_settings(cfg.eval.steps) if settings is None else settings
+    settings = eval_vllm.chain_settings(cfg.eval.steps) if settings is None else settings
     if result_path is None:
         Path(out).mkdir(parents=True, exist_ok=True)
         result_path = lambda bench, name: Path(out) / eval_result_name(bench, name)  # noqa: E731
-    return speculate.run(cfg, inputs.draft, settings, result_path, batch_size=batch_size, started=started)
+    return eval_vllm.run(cfg, inputs.draft, settings, result_path, batch_size=batch_size, started=started)
 
 
 def _run(cfg, inputs: Inputs, out: str | Path, target, settings, result_path, hf, require_compile,

@@ -53,7 +53,7 @@ def served(tiny_llama_dir, target, draft_run, prompts, tmp_path_factory):
     """{"plain" | format: [per request {"tokens", "drafts", "accepted", "per_position" (vLLM's counters over the
     call), "per_cycle" (its per-request report)}]} from vLLM, one engine at a time, one request per generate call."""
     from eyas.formats import export
-    from eyas.target.vllm.speculate import ServingEngine, sampling
+    from eyas.stages.eval_vllm import ServingEngine, sampling
 
     exports = export(draft_run, tmp_path_factory.mktemp("exports"), FORMATS, dtype="fp32")
     params = sampling(0.0, NEW, eos_ids(target))
