@@ -40,6 +40,7 @@ import json
 import math
 import os
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -66,6 +67,8 @@ SPECFORGE_FIXED = {
 def write_features(store, out: Path, max_len: int) -> dict:
     """One SpecForge offline file per store sample; returns {num_samples, num_tokens, longest}."""
     out.mkdir(parents=True, exist_ok=True)
+    for stale in out.glob("*.ckpt"):  # SpecForge reads every file in the folder
+        stale.unlink()
     num_tokens, longest = 0, 0
     for i in range(len(store)):
         s = store[i]
@@ -138,8 +141,12 @@ def plan_batches(store, batch_tokens: int, grad_accum: int, epochs: float, steps
 def run_config(cfg, out: Path, plan: dict, stats: dict, device: str) -> tuple[dict, list[tuple]]:
     """SpecForge's run config from the eyas config, and the knob table (knob, eyas, SpecForge, note)."""
     tc = cfg.train
-    batch_size = max(1, round(plan["samples_per_batch"]))
-    samples_per_step = batch_size * tc.grad_accum
+    # the same samples per optimizer step as eyas's plan; SpecForge pads a micro-batch to its longest sample, so
+    # a micro-batch holds at most batch_tokens // longest samples (eyas's memory bound) and the rest accumulates
+    wanted = max(1, round(plan["samples_per_batch"] * tc.grad_accum))
+    batch_size = max(1, min(wanted, tc.batch_tokens // stats["longest"]))
+    accumulation = max(1, round(wanted / batch_size))
+    samples_per_step = batch_size * accumulation
     epochs = max(1, math.ceil(plan["steps"] * samples_per_step / stats["num_samples"]) + 1)
     warmup_ratio = min(1.0, tc.warmup_steps / plan["steps"])
     while int(warmup_ratio * plan["steps"]) < min(tc.warmup_steps, plan["steps"]):  # SpecForge floors it
@@ -153,9 +160,9 @@ def run_config(cfg, out: Path, plan: dict, stats: dict, device: str) -> tuple[di
                   "embedding_key": "model.embed_tokens.weight", "lm_head_key": "lm_head.weight",
                   "torch_dtype": "bfloat16"},
         "data": {"hidden_states_path": str(out / "features"), "max_length": int(stats["longest"]),
-                 "dataloader_num_workers": 2, "cache_dir": str(out / "specforge-cache")},
+                 "dataloader_num_workers": 4 if device == "cuda" else 1, "cache_dir": str(out / "specforge-cache")},
         "training": {"strategy": "eagle3", "num_epochs": epochs, "max_steps": plan["steps"],
-                     "total_steps": plan["steps"], "batch_size": batch_size, "accumulation_steps": tc.grad_accum,
+                     "total_steps": plan["steps"], "batch_size": batch_size, "accumulation_steps": accumulation,
                      "learning_rate": tc.lr, "lr_scheduler": "cosine", "warmup_ratio": warmup_ratio,
                      "max_grad_norm": tc.grad_clip, "ttt_length": tc.ttt, "attention_backend": attention,
                      "seed": tc.seed, "save_interval": plan["steps"], "log_interval": tc.log_every,
@@ -169,9 +176,11 @@ def run_config(cfg, out: Path, plan: dict, stats: dict, device: str) -> tuple[di
         ("warmup steps", tc.warmup_steps, int(warmup_ratio * plan["steps"]), "warmup_ratio"),
         ("ttt", tc.ttt, tc.ttt, ""),
         ("grad clip", tc.grad_clip, tc.grad_clip, ""),
-        ("tokens/step", f"<= {tc.batch_tokens * tc.grad_accum} (~{plan['samples_per_batch'] * tc.grad_accum:.1f} "
-         f"samples)", f"~{samples_per_step * mean_len:.0f} ({samples_per_step} samples)",
-         "SpecForge batches by samples, padded to the longest"),
+        ("tokens/step", f"~{plan['tokens_per_epoch'] / plan['batches_per_epoch'] * tc.grad_accum:.0f} "
+         f"(~{plan['samples_per_batch'] * tc.grad_accum:.1f} samples)",
+         f"~{samples_per_step * mean_len:.0f} ({batch_size} samples x {accumulation} accumulated)",
+         "SpecForge counts samples, not tokens"),
+        ("data order", "eyas's shuffle, length-sorted windows", "SpecForge's shuffle", "same samples, other order"),
         ("attention", tc.attention, attention, ""),
         ("dtype", tc.dtype, "bf16", "SpecForge: bf16 weights, features and target head, fp32 AdamW masters"),
     ]
@@ -245,6 +254,7 @@ def _run(cmd: list[str], log: Path, env: dict) -> float:
 
 def train_specforge(args) -> float:
     out = Path(args.out)
+    shutil.rmtree(out / "specforge-run", ignore_errors=True)  # SpecForge would resume from (or rewind) it
     cmd = [sys.executable, str(Path(__file__).resolve()), "--_specforge", "train", "-c", str(out / "specforge.yaml")]
     return _run(cmd, out / "specforge-train.log", _env(args))
 
@@ -399,7 +409,7 @@ def _final_metrics(log: Path) -> dict:
 
 
 def table(rows: list[dict]) -> None:
-    keys = ["trainer", "steps", "train_s"] + sorted({k for r in rows for k in r} - {"trainer", "steps", "train_s"})
+    keys = list(dict.fromkeys(k for r in rows for k in r))
     width = {k: max(len(k), *(len(_fmt(r.get(k))) for r in rows)) for k in keys}
     print(" | ".join(k.ljust(width[k]) for k in keys))
     print("-+-".join("-" * width[k] for k in keys))
@@ -412,12 +422,11 @@ def _fmt(v) -> str:
 
 
 def _headline(summary: dict) -> dict:
-    """tau (and tok/s) per result file of an eval dir's summary.json."""
+    """tau and speedup per benchmark and setting of an eval dir's summary.json."""
     out = {}
-    for stem, res in (summary.get("results") or {}).items():
-        for key in ("tau", "tokens_per_s"):
-            if isinstance(res.get(key), (int, float)):
-                out[f"{stem}:{key}"] = float(res[key])
+    for stem, res in sorted((summary.get("results") or {}).items()):
+        out[f"{stem} tau"] = res.get("tau_pooled")
+        out[f"{stem} speedup"] = res.get("speedup_vs_plain")
     return out
 
 
@@ -469,12 +478,14 @@ def main() -> None:
             (out / "eyas-train.json").write_text(json.dumps({"wall_s": wall}))
         sf = _final_metrics(out / "specforge-train.log")
         sf_wall = json.loads((out / "specforge-train.json").read_text())["wall_s"]
-        rows.append({"trainer": "specforge", "steps": sf.get("step"), "train_s": sf_wall,
+        rows.append({"trainer": "specforge", "steps": sf.get("step"), "train_s": sf_wall, "last acc0": sf.get("acc_0"),
                      **_headline(evaluate(args, "specforge", out / "draft"))})
         if eyas_draft is not None:
-            wall_file = out / "eyas-train.json"
-            rows.append({"trainer": "eyas", "train_s": json.loads(wall_file.read_text())["wall_s"]
-                         if wall_file.is_file() else None, **_headline(evaluate(args, "eyas", eyas_draft))})
+            wall_file, run_summary = out / "eyas-train.json", eyas_draft / "summary.json"
+            ours = json.loads(run_summary.read_text()) if run_summary.is_file() else {}
+            rows.append({"trainer": "eyas", "steps": ours.get("steps"), "last acc0": ours.get("acc_0"),
+                         "train_s": json.loads(wall_file.read_text())["wall_s"] if wall_file.is_file() else None,
+                         **_headline(evaluate(args, "eyas", eyas_draft))})
         print()
         table(rows)
 
