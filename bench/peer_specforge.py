@@ -65,11 +65,11 @@ SPECFORGE_FIXED = {
 # ---------------------------------------------------------------- convert
 
 def write_features(store, out: Path, max_len: int) -> dict:
-    """One SpecForge offline file per store sample; returns {num_samples, num_tokens, longest}."""
+    """One SpecForge offline file per store sample; returns {num_samples, num_tokens, longest, lengths}."""
     out.mkdir(parents=True, exist_ok=True)
     for stale in out.glob("*.ckpt"):  # SpecForge reads every file in the folder
         stale.unlink()
-    num_tokens, longest = 0, 0
+    lengths = []
     for i in range(len(store)):
         s = store[i]
         t = min(len(s["input_ids"]), max_len)
@@ -80,8 +80,8 @@ def write_features(store, out: Path, max_len: int) -> dict:
             "aux_hidden_state": s["aux_hidden"][:t].unsqueeze(0).contiguous(),  # [1, T, A*H]
         }
         torch.save(record, out / f"{i:08d}.ckpt")
-        num_tokens, longest = num_tokens + t, max(longest, t)
-    return {"num_samples": len(store), "num_tokens": num_tokens, "longest": longest}
+        lengths.append(t)
+    return {"num_samples": len(lengths), "num_tokens": sum(lengths), "longest": max(lengths), "lengths": lengths}
 
 
 def write_target(store_dir: Path, manifest: dict, out: Path) -> None:
@@ -123,13 +123,14 @@ def draft_config(manifest: dict, draft_vocab_size: int) -> dict:
     return cfg
 
 
-def plan_batches(store, batch_tokens: int, grad_accum: int, epochs: float, steps: int, seed: int) -> dict:
-    """eyas's own batch plan for this store: samples and tokens per optimizer step, and the step count."""
+def plan_batches(lengths: list[int], batch_tokens: int, grad_accum: int, epochs: float, steps: int,
+                 seed: int) -> dict:
+    """eyas's own batch plan for these sample lengths: samples and tokens per optimizer step, and the step count."""
     import random
 
     from eyas.train.data import pack
 
-    lengths = [min(len(store[i]["input_ids"]), batch_tokens) for i in range(len(store))]
+    lengths = [min(t, batch_tokens) for t in lengths]
     order = list(range(len(lengths)))
     random.Random(seed).shuffle(order)
     batches = pack(order, lengths, batch_tokens)
@@ -203,9 +204,15 @@ def convert(args, cfg) -> list[tuple]:
     if vocab["t2d"].numel() != manifest["vocab_size"]:
         raise SystemExit(f"the draft vocabulary maps {vocab['t2d'].numel()} target ids, the store's target has "
                          f"{manifest['vocab_size']}")
-    plan = plan_batches(store, cfg.train.batch_tokens, cfg.train.grad_accum, cfg.train.epochs, cfg.train.steps,
-                        cfg.train.seed)
+    # the records hold every token's aux and final states in bf16 again: as much disk as a bf16 store
+    need = int(manifest["num_tokens"]) * (len(manifest["aux_layers"]) + 1) * int(manifest["hidden_size"]) * 2
+    free = shutil.disk_usage(out if out.exists() else out.parent).free
+    if need > 0.95 * free:
+        raise SystemExit(f"SpecForge's copy of the store needs about {need / 2**30:.1f} GiB, {out} has "
+                         f"{free / 2**30:.1f} GiB free")
     stats = write_features(store, out / "features", cfg.train.batch_tokens)
+    plan = plan_batches(stats.pop("lengths"), cfg.train.batch_tokens, cfg.train.grad_accum, cfg.train.epochs,
+                        cfg.train.steps, cfg.train.seed)
     write_target(Path(args.store), manifest, out / "target")
     write_vocab(vocab, out / "vocab_mapping.pt")
     (out / "draft_config.json").write_text(json.dumps(draft_config(manifest, vocab["d2t"].numel()), indent=1))
