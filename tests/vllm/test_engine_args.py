@@ -6,7 +6,7 @@ import importlib.util
 import pytest
 
 from eyas.common import EyasError
-from eyas.target.vllm.engine import engine_kwargs, engine_layer_ids, require_vllm
+from eyas.target.vllm.engine import cpu_rope_fix, engine_kwargs, engine_layer_ids, require_vllm
 
 
 def test_layer_ids_are_hf_ids_plus_the_last_layer():
@@ -70,3 +70,11 @@ def test_vllm_without_extraction_is_refused(monkeypatch):
     with pytest.raises(EyasError, match="cannot extract hidden states.*pip install") as e:
         require_vllm()
     assert "\n" not in str(e.value)
+
+
+def test_cpu_rope_fix_selects_the_pytorch_rope_unless_the_user_chose():
+    kw = cpu_rope_fix({"model": "m", "compilation_config": {"custom_ops": ["+rms_norm"], "level": 0}})
+    assert kw["compilation_config"] == {"custom_ops": ["+rms_norm", "-rotary_embedding"], "level": 0}
+    assert cpu_rope_fix({"model": "m"})["compilation_config"] == {"custom_ops": ["-rotary_embedding"]}
+    mine = {"model": "m", "compilation_config": {"custom_ops": ["+rotary_embedding"]}}
+    assert cpu_rope_fix(mine) == mine  # the user named the op: left as given

