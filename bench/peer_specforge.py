@@ -23,13 +23,22 @@ Stages (each writes under DIR and may be run alone):
            DIR/specforge.yaml            its run config, from the eyas config (the knob table is printed)
   train    SpecForge's `specforge train -c DIR/specforge.yaml`, log in DIR/specforge-train.log
   export   SpecForge's own `specforge export --to hf` (it reads its pickled checkpoint itself), then
-           DIR/draft/: the vLLM layout eyas loads (layers.0.*, fc, norm, lm_head, d2t, t2d; aux ids top-level)
+           DIR/draft/: the vLLM layout eyas loads (layers.0.*, fc, norm, lm_head, d2t, t2d; aux ids top-level);
+           a parity line compares one draft step of SpecForge's own model with eyas's reading of DIR/draft
   eval     `eyas eval` of DIR/draft and of the eyas draft (--eyas-run, or DIR/eyas-run with --train-eyas,
            which `eyas train`s the same store with the same config first), then the table
 
-On a machine without CUDA the trainer runs on the CPU with two stand-ins, both in this process only:
-SpecForge's Triton soft cross-entropy is replaced by the same sum in plain torch, and torch.compile is off
-(TORCHDYNAMO_DISABLE=1); attention is SDPA there, flex_attention on CUDA.
+SpecForge fixes some of what eyas makes a setting: its cosine decays to 0, and its loss is EAGLE's reference
+(the knob table marks each as NOT matched where the eyas config differs). For the same objective on the eyas
+side pass `--set train.min_lr_ratio=0 --set train.loss_mask_token=position --set train.loss_norm=all
+--set train.mask_oov_target=true`. SpecForge counts a step in samples: a micro-batch holds at most
+batch_tokens // longest samples (padded to its longest, the memory bound eyas keeps) and accumulates the rest
+of eyas's mean samples per step. It trains in bf16 with fp32 AdamW masters (its target head is bf16 always).
+
+On a machine without CUDA the trainer runs on the CPU with three stand-ins, all in its process only:
+SpecForge's Triton soft cross-entropy is replaced by the same sum in plain torch, torch.compile is off
+(TORCHDYNAMO_DISABLE=1), and FSDP (which wants an accelerator) is its NO_SHARD path, DDP over gloo; attention
+is SDPA there, flex_attention on CUDA.
 """
 
 from __future__ import annotations
@@ -48,7 +57,6 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
 
 # knobs SpecForge fixes in code, against the eyas setting that computes the same thing
 SPECFORGE_FIXED = {
@@ -237,7 +245,7 @@ def _prepared_vocab(store: Path) -> Path:
 
 def _env(args) -> dict:
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    paths = [p for p in (args.specforge_path, str(ROOT), env.get("PYTHONPATH")) if p]
+    paths = [p for p in (args.specforge_path, env.get("PYTHONPATH")) if p]
     env["PYTHONPATH"] = os.pathsep.join(paths)
     if args.device != "cuda":
         env.update(TORCHDYNAMO_DISABLE="1", SPECFORGE_DEVICE="cpu", CUDA_VISIBLE_DEVICES="")
@@ -460,6 +468,10 @@ def main() -> None:
     from eyas.config import load_config
 
     cfg = load_config(args.config, args.set)
+    done = Path(args.eyas_run) / "summary.json"
+    if args.eyas_run and not cfg.train.steps and done.is_file():  # the eyas run's own step count, not a re-plan
+        cfg.train.steps = int(json.loads(done.read_text())["steps"])
+        print(f"steps: {cfg.train.steps}, as {args.eyas_run} trained")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     stages = ("convert", "train", "export", "eval") if args.stage == "all" else (args.stage,)
