@@ -103,6 +103,10 @@ def estimate_bytes(draft, tc, lm_head_weight: torch.Tensor, num_aux: int) -> dic
         + lm_head_weight.numel() * lm_head_weight.element_size(),
         "features of a batch": 4 * tokens * (num_aux + 1) * hidden,
         "activations": 4 * 4 * tokens * tc.ttt * hidden + 4 * tokens * draft_vocab,
+        # an LK loss keeps every step's [tokens, Vd] logits for the backward pass, with the softmax, the
+        # min(p, q) and their gradients beside them: about four fp32 copies a step (measured: train.loss=lk_hybrid
+        # at 32,768 tokens, TTT 7 and Vd 32,000 ran out of an 80 GB H100)
+        **({"LK loss logits": 4 * 4 * tokens * tc.ttt * draft_vocab} if getattr(tc, "loss", "kl") != "kl" else {}),
     }
 
 
@@ -117,7 +121,7 @@ def check_memory(draft, tc, lm_head_weight: torch.Tensor, num_aux: int, device: 
     biggest = max(parts, key=parts.get)
     raise EyasError(f"training with train.ttt={tc.ttt} and train.batch_tokens={tc.batch_tokens} needs at least "
                     f"{gib(need)} ({biggest} {gib(parts[biggest])}) but {gib(have)} is {where}; lower "
-                    f"train.batch_tokens or train.ttt")
+                    f"train.batch_tokens (and raise train.grad_accum to keep the tokens per step) or train.ttt")
 
 
 # ---- resume

@@ -220,9 +220,26 @@ def test_training_that_cannot_fit_is_refused_before_the_first_step(tmp_path, set
     monkeypatch.setattr(loop, "_session", lambda *a, **k: pytest.fail("reached the optimizer setup"))
     t0 = time.monotonic()
     with pytest.raises(EyasError, match=r"needs at least [\d,.]+ GiB .* but [\d,.]+ GiB is MemAvailable .*lower "
-                                        r"train.batch_tokens or train.ttt"):
+                                        r"train.batch_tokens \(and raise train.grad_accum.*\) or train.ttt"):
         train(small_config(sets), tmp_path, synthetic_source(), device="cpu")
     assert time.monotonic() - t0 < 10 and not (tmp_path / "latest").exists()
+
+
+def test_an_lk_loss_counts_its_logits_in_the_estimate():
+    """train.loss=lk_* keeps each step's [tokens, Vd] logits: the estimate says so, and for the full preset's
+    32,768 tokens, TTT 7 and Vd 32,000 it exceeds an 80 GB card (which it ran out of)."""
+    from types import SimpleNamespace
+
+    from eyas.config import load_config
+    from eyas.train.guards import estimate_bytes
+
+    draft = SimpleNamespace(cfg=SimpleNamespace(hidden_size=576, draft_vocab_size=32000),
+                            num_trainable_params=lambda: 23_520_000, embed_tokens=SimpleNamespace(weight=torch.empty(0)))
+    head = torch.empty(0)
+    kl = estimate_bytes(draft, load_config("full").train, head, 3)
+    lk = estimate_bytes(draft, load_config("full", ["train.loss=lk_hybrid"]).train, head, 3)
+    assert "LK loss logits" not in kl and set(lk) - set(kl) == {"LK loss logits"}
+    assert sum(kl.values()) < 80e9 < sum(lk.values())
 
 
 # ---- wall-clock checkpoints
