@@ -50,7 +50,7 @@ def run_one(args, backend: str, run: Path) -> dict:
     metrics = (run / "train" / "metrics.jsonl").read_text().splitlines()
     last = json.loads(metrics[-1]) if metrics else {}
     taus = {p.stem: (_read(p).get("summary") or {}).get("tau_pooled") for p in sorted((run / "eval").glob("*.json"))
-            if p.name != "summary.json"}
+            if p.name != "summary.json" and not p.name.startswith(".")}
     loads = stages.get("engine_loads") or []
     return {"backend": backend, "wall_s": wall, "regen_tok_s": prep.get("regen_tokens_per_s"),
             "capture_tok_s": store.get("tokens_per_s"), "loss": last.get("loss"), "taus": taus,
