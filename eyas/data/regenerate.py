@@ -503,6 +503,26 @@ def length_segments(lengths: list[int], max_new_tokens: int, slots: int) -> list
     return segments
 
 
+def _record(prompt: dict, ids: list[int], res: dict, tokenizer) -> dict:
+    """The results file's line for one finished prompt ({tokens, finish} from the decoder or the engine)."""
+    return {"id": prompt["id"], "prompt_sha": prompt_sha(prompt["messages"]),
+            "response": tokenizer.decode(res["tokens"], skip_special_tokens=True),
+            "num_prompt_tokens": len(ids), "num_tokens": len(res["tokens"]), "finish": res["finish"]}
+
+
+def _commit(records: list[dict], sink: ResultsFile, done: dict, bar, tokens_before: int, t0: float,
+            on_batch: Callable[[int], None] | None) -> int:
+    """Append finished results (flushed to disk), count them in `done` and the progress bar; -> their new tokens."""
+    new = sum(r["num_tokens"] for r in records)
+    sink.append(records)
+    done.update({r["id"]: r for r in records})
+    bar.update(len(records))
+    bar.set_postfix_str(f"{(tokens_before + new) / (time.perf_counter() - t0):.1f} tok/s")
+    if on_batch is not None:
+        on_batch(len(done))
+    return new
+
+
 def regenerate_local(target, prompts: list[dict], out_path: str | Path, *, template, max_new_tokens: int,
                      temperature: float = 0.0, batch_size: int = 16, seed: int = 0, threads: int = 0,
                      cuda_graphs: bool = True, on_batch: Callable[[int], None] | None = None) -> dict[str, dict]:
@@ -532,20 +552,8 @@ def regenerate_local(target, prompts: list[dict], out_path: str | Path, *, templ
             for finished in generate_stream(target.model, [ids for _, ids in part], max_new_tokens=max_new_tokens,
                                             stop_ids=template.stop_ids, pad_id=pad_id, slots=batch_size,
                                             temperature=temperature, generator=generator, cuda_graphs=cuda_graphs):
-                records = []
-                for i, res in finished:
-                    p, ids = part[i]
-                    records.append({"id": p["id"], "prompt_sha": prompt_sha(p["messages"]),
-                                    "response": tok.decode(res["tokens"], skip_special_tokens=True),
-                                    "num_prompt_tokens": len(ids), "num_tokens": len(res["tokens"]),
-                                    "finish": res["finish"]})
-                    num_tokens += len(res["tokens"])
-                sink.append(records)
-                done.update({r["id"]: r for r in records})
-                bar.update(len(records))
-                bar.set_postfix_str(f"{num_tokens / (time.perf_counter() - t0):.1f} tok/s")
-                if on_batch is not None:
-                    on_batch(len(done))
+                records = [_record(*part[i], res, tok) for i, res in finished]
+                num_tokens += _commit(records, sink, done, bar, num_tokens, t0, on_batch)
     finally:
         bar.close()
         sink.close()
@@ -585,19 +593,8 @@ def regenerate_engine(engine, tokenizer, prompts: list[dict], out_path: str | Pa
             outputs = engine.generate([ids for _, ids in part], max_tokens=max_new_tokens, temperature=temperature,
                                       seeds=[_request_seed(seed, p["id"]) for p, _ in part],
                                       stop_ids=list(template.stop_ids))
-            records = []
-            for (p, ids), res in zip(part, outputs):
-                records.append({"id": p["id"], "prompt_sha": prompt_sha(p["messages"]),
-                                "response": tokenizer.decode(res["tokens"], skip_special_tokens=True),
-                                "num_prompt_tokens": len(ids), "num_tokens": len(res["tokens"]),
-                                "finish": res["finish"]})
-                num_tokens += len(res["tokens"])
-            sink.append(records)
-            done.update({r["id"]: r for r in records})
-            bar.update(len(records))
-            bar.set_postfix_str(f"{num_tokens / (time.perf_counter() - t0):.1f} tok/s")
-            if on_batch is not None:
-                on_batch(len(done))
+            records = [_record(p, ids, res, tokenizer) for (p, ids), res in zip(part, outputs)]
+            num_tokens += _commit(records, sink, done, bar, num_tokens, t0, on_batch)
     finally:
         bar.close()
         sink.close()

@@ -17,7 +17,6 @@ whose output differs from it.
 
 from __future__ import annotations
 
-import contextlib
 import tempfile
 import time
 from pathlib import Path
@@ -96,10 +95,10 @@ class ServingEngine:
         self.close()
 
     def close(self) -> None:
+        from eyas.target.vllm.engine import shutdown
+
         llm, self.llm = getattr(self, "llm", None), None
-        if llm is not None:
-            with contextlib.suppress(Exception):
-                llm.llm_engine.engine_core.shutdown()
+        shutdown(llm)
 
     def counters(self) -> dict:
         """{"drafts", "accepted", "per_position" [k]} so far (zeros without a draft)."""

@@ -40,3 +40,19 @@ def tiny_deepseek_dir(tmp_path_factory):
     from vllm_models import tiny_deepseek_v3_dir
 
     return tiny_deepseek_v3_dir(tmp_path_factory.mktemp("tiny-deepseek-v3"))
+
+
+@pytest.fixture(scope="module")
+def tiny_llama_target(tiny_llama_dir):
+    """The head_dim-32 tiny Llama loaded by eyas (fp32, CPU), once per module that asks."""
+    from eyas.target import load_target
+
+    return load_target(str(tiny_llama_dir), device="cpu", dtype="fp32")
+
+
+@pytest.fixture(scope="module")
+def tiny_llama_draft(tiny_llama_target, tmp_path_factory):
+    """A draft trained for a few seconds on the tiny Llama (tests/vllm/tiny_draft.py): its training run dir."""
+    from tiny_draft import train_tiny_draft
+
+    return train_tiny_draft(tiny_llama_target, tmp_path_factory.mktemp("draft-run"))

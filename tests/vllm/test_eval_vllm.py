@@ -8,7 +8,7 @@ import json
 
 import pytest
 from conftest import ENGINE, require_vllm
-from tiny_draft import eos_ids, train_tiny_draft
+from tiny_draft import eos_ids
 
 from eyas.cli import main
 
@@ -22,36 +22,24 @@ BENCH = [{"id": "a", "prompt": "hello there"},
          {"id": "c", "prompt": "count to five"}]
 
 
-@pytest.fixture(scope="module")
-def target(tiny_llama_dir):
-    from eyas.target import load_target
-
-    return load_target(str(tiny_llama_dir), device="cpu", dtype="fp32")
-
-
-@pytest.fixture(scope="module")
-def draft_run(target, tmp_path_factory):
-    return train_tiny_draft(target, tmp_path_factory.mktemp("draft-run"))
-
-
 def _argv(tiny_llama_dir, draft, bench, *extra):
     return ["eval", "--config", "tiny", "--target", str(tiny_llama_dir), "--draft", str(draft), "--bench", str(bench),
-            "--max-new-tokens", str(NEW), "--limit", "0", "--engine", "vllm", "--set", "target.device=cpu",
-            "--set", "target.dtype=fp32", "--set", f"target.engine={json.dumps(ENGINE)}", *extra]
+            "--max-new-tokens", str(NEW), "--limit", "0", "--engine", "vllm", "--set", "tiny_llama_target.device=cpu",
+            "--set", "tiny_llama_target.dtype=fp32", "--set", f"tiny_llama_target.engine={json.dumps(ENGINE)}", *extra]
 
 
 @pytest.fixture(scope="module")
-def evaluated(tiny_llama_dir, draft_run, tmp_path_factory):
+def evaluated(tiny_llama_dir, tiny_llama_draft, tmp_path_factory):
     root = tmp_path_factory.mktemp("eval-vllm")
     bench = root / "prompts.jsonl"
     bench.write_text("".join(json.dumps(r) + "\n" for r in BENCH))
     out = root / "eval"
-    argv = _argv(tiny_llama_dir, draft_run, bench, "--steps", str(K), "--batch-size", "2", "--out-dir", str(out))
+    argv = _argv(tiny_llama_dir, tiny_llama_draft, bench, "--steps", str(K), "--batch-size", "2", "--out-dir", str(out))
     assert main(argv) == 0
     return out
 
 
-def test_result_has_the_counts_of_eyas_engine(evaluated, target, draft_run):
+def test_result_has_the_counts_of_eyas_engine(evaluated, tiny_llama_target, tiny_llama_draft):
     from eyas.speculative.build import build_engine
 
     path = evaluated / "prompts-vllm-chain-3.json"
@@ -61,12 +49,12 @@ def test_result_has_the_counts_of_eyas_engine(evaluated, target, draft_run):
     # requests a and b in one call, then b's second turn alone, then c
     assert [c["turns"] for c in doc["calls"]] == [[[0, 0], [1, 0]], [[1, 1]], [[2, 0]]]
     assert s["num_requests"] == 3 and [len(p["turns"]) for p in doc["prompts"]] == [1, 2, 1]
-    engine, _ = build_engine(target, draft_run)
+    engine, _ = build_engine(tiny_llama_target, tiny_llama_draft)
     cycles = accepted = 0
     per_position = [0] * K
     for record in doc["prompts"]:
         for turn in record["turns"]:
-            res = engine.generate(turn["prompt_ids"], NEW, eos_token_ids=eos_ids(target), steps=K)
+            res = engine.generate(turn["prompt_ids"], NEW, eos_token_ids=eos_ids(tiny_llama_target), steps=K)
             assert res.tokens == turn["tokens"]
             assert turn["accepted"] == res.accepted_per_cycle and turn["num_cycles"] == res.num_cycles
             mine = [sum(a > p for a in res.accepted_per_cycle) for p in range(K)]
@@ -87,7 +75,7 @@ def test_result_has_the_counts_of_eyas_engine(evaluated, target, draft_run):
     b = doc["prompts"][1]["turns"]
     history = [{"role": "user", "content": "one"}, {"role": "assistant", "content": b[0]["text"]},
                {"role": "user", "content": "two"}]
-    assert b[1]["prompt_ids"] == encode_turn(target.tokenizer, history)
+    assert b[1]["prompt_ids"] == encode_turn(tiny_llama_target.tokenizer, history)
     taus = [1 + sum(a) / len(a) for a in ([x for t in r["turns"] for x in t["accepted"]] for r in doc["prompts"])]
     assert s["tau_per_request"] == pytest.approx(sum(taus) / len(taus))
     assert path.with_suffix(".png").is_file()

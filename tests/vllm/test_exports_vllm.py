@@ -7,7 +7,7 @@ Engines start one after the other, each once."""
 
 import pytest
 from conftest import ENGINE, require_vllm
-from tiny_draft import chat_prompts, eos_ids, train_tiny_draft
+from tiny_draft import chat_prompts, eos_ids
 
 require_vllm()
 
@@ -17,31 +17,19 @@ FORMATS = ("vllm", "speculators")
 
 
 @pytest.fixture(scope="module")
-def target(tiny_llama_dir):
-    from eyas.target import load_target
-
-    return load_target(str(tiny_llama_dir), device="cpu", dtype="fp32")
+def prompts(tiny_llama_target):
+    return chat_prompts(tiny_llama_target)[:5]
 
 
 @pytest.fixture(scope="module")
-def draft_run(target, tmp_path_factory):
-    return train_tiny_draft(target, tmp_path_factory.mktemp("draft-run"))
-
-
-@pytest.fixture(scope="module")
-def prompts(target):
-    return chat_prompts(target)[:5]
-
-
-@pytest.fixture(scope="module")
-def eyas_counts(target, draft_run, prompts):
+def eyas_counts(tiny_llama_target, tiny_llama_draft, prompts):
     """eyas's engine (what `eyas eval --steps K` runs) on the same prompt ids: tokens and counts per request."""
     from eyas.speculative.build import build_engine
 
-    engine, _ = build_engine(target, draft_run)
+    engine, _ = build_engine(tiny_llama_target, tiny_llama_draft)
     out = []
     for ids in prompts:
-        res = engine.generate(ids, NEW, eos_token_ids=eos_ids(target), steps=K)
+        res = engine.generate(ids, NEW, eos_token_ids=eos_ids(tiny_llama_target), steps=K)
         out.append({"tokens": res.tokens, "drafts": res.num_cycles, "accepted": sum(res.accepted_per_cycle),
                     "per_position": [sum(a > p for a in res.accepted_per_cycle) for p in range(K)],
                     "per_cycle": res.accepted_per_cycle})
@@ -49,14 +37,14 @@ def eyas_counts(target, draft_run, prompts):
 
 
 @pytest.fixture(scope="module")
-def served(tiny_llama_dir, target, draft_run, prompts, tmp_path_factory):
+def served(tiny_llama_dir, tiny_llama_target, tiny_llama_draft, prompts, tmp_path_factory):
     """{"plain" | format: [per request {"tokens", "drafts", "accepted", "per_position" (vLLM's counters over the
     call), "per_cycle" (its per-request report)}]} from vLLM, one engine at a time, one request per generate call."""
     from eyas.formats import export
     from eyas.stages.eval_vllm import ServingEngine, sampling
 
-    exports = export(draft_run, tmp_path_factory.mktemp("exports"), FORMATS, dtype="fp32")
-    params = sampling(0.0, NEW, eos_ids(target))
+    exports = export(tiny_llama_draft, tmp_path_factory.mktemp("exports"), FORMATS, dtype="fp32")
+    params = sampling(0.0, NEW, eos_ids(tiny_llama_target))
     out = {}
     for name, draft_dir in [("plain", None), *exports.items()]:
         with ServingEngine(str(tiny_llama_dir), dtype="fp32", engine=ENGINE, draft_dir=draft_dir, k=K) as engine:

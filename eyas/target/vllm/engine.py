@@ -40,6 +40,13 @@ def _version() -> str:
     return str(getattr(vllm, "__version__", "?"))
 
 
+def shutdown(llm) -> None:
+    """End a `vllm.LLM`'s engine processes (None: nothing); an engine already dead is not an error here."""
+    if llm is not None:
+        with contextlib.suppress(Exception):
+            llm.llm_engine.engine_core.shutdown()
+
+
 def _token_prompts(prompts: list[list[int]]) -> list:
     from vllm.inputs import TokensPrompt
 
@@ -259,9 +266,7 @@ class ExtractionEngine:
 
     def close(self) -> None:
         llm, self.llm = getattr(self, "llm", None), None
-        if llm is not None:
-            with contextlib.suppress(Exception):
-                llm.llm_engine.engine_core.shutdown()
+        shutdown(llm)
         if self._own_dir:
             import shutil
 
