@@ -24,8 +24,8 @@ BENCH = [{"id": "a", "prompt": "hello there"},
 
 def _argv(tiny_llama_dir, draft, bench, *extra):
     return ["eval", "--config", "tiny", "--target", str(tiny_llama_dir), "--draft", str(draft), "--bench", str(bench),
-            "--max-new-tokens", str(NEW), "--limit", "0", "--engine", "vllm", "--set", "tiny_llama_target.device=cpu",
-            "--set", "tiny_llama_target.dtype=fp32", "--set", f"tiny_llama_target.engine={json.dumps(ENGINE)}", *extra]
+            "--max-new-tokens", str(NEW), "--limit", "0", "--engine", "vllm", "--set", "target.device=cpu",
+            "--set", "target.dtype=fp32", "--set", f"target.engine={json.dumps(ENGINE)}", *extra]
 
 
 @pytest.fixture(scope="module")
