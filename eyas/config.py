@@ -61,6 +61,7 @@ _DEVICE = re.compile(r"auto|cpu|mps|cuda(:\d+)?")
 # the longest training-time test: each step keeps its activations and its attention over every earlier step
 # for the backward pass, so memory grows with ttt (EAGLE-3 trains with 7)
 MAX_TTT = 64
+METHODS = ("eagle3", "dflash")
 # a learning rate above this moves each weight by about its own size in one AdamW step
 MAX_LR = 1.0
 
@@ -279,6 +280,9 @@ class TrainConfig:
     # an error (the last good checkpoint is kept)
     max_bad_steps: int = 3
     save_every_minutes: float = 10.0  # also write a checkpoint after this much wall time (0 = by steps only)
+    # which draft family `eyas train` trains: eagle3 (EAGLE-3 with training-time test) or dflash (a block-diffusion
+    # draft, the dflash section); `eyas run` trains, evaluates and exports each one listed, from one store
+    method: list[str] = field(default_factory=lambda: ["eagle3"])
 
     def __post_init__(self):
         _check_fields("train", self)
@@ -313,6 +317,42 @@ class TrainConfig:
             raise ConfigError(f"train.loss_decay={self.loss_decay!r} must lie in (0, 1]")
         _at_least("train.max_bad_steps", self.max_bad_steps, 1, " (consecutive non-finite steps that stop training)")
         _at_least("train.save_every_minutes", self.save_every_minutes, 0.0, " (0 = save by steps only)")
+        if not self.method or len(set(self.method)) != len(self.method):
+            raise ConfigError(f"train.method={self.method!r}: name eagle3, dflash or both, each once")
+        for m in self.method:
+            _one_of("train.method", m, METHODS)
+
+
+@dataclass
+class DFlashTrainConfig:
+    """The DFlash draft and its training (train.method=dflash; docs/ALGORITHM.md section 7). The rest of the
+    train section (steps or epochs, batch_tokens, warmup, clipping, checkpoints) applies as for EAGLE-3."""
+
+    block_size: int = 16  # tokens per drafted block: the anchor and block_size - 1 guesses
+    layers: int = 1  # draft decoder layers (the released DFlash drafts of 4B-8B targets have 5)
+    # target layers fused into the context feature, in eyas's numbering (HF hidden_states indices, as
+    # target.aux_layers); empty = the store's aux layers
+    target_layers: list[int] = field(default_factory=list)
+    mask_token_id: int = -1  # the id of the block's mask slots; -1 = the target's pad token, else its eos
+    gamma: float = 7.0  # slot k's loss weight is exp(-(k - 1) / gamma) (the reference: 7 for blocks of 16)
+    anchors: int = 512  # blocks drawn per sample at most (and at most batch_tokens // block_size per micro-batch)
+    lr: float = 0.0  # 0 = train.lr (the reference trains DFlash at 6e-4)
+
+    def __post_init__(self):
+        _check_fields("dflash", self)
+        if not 2 <= self.block_size <= MAX_TTT:
+            raise ConfigError(f"dflash.block_size={self.block_size!r} must lie in [2, {MAX_TTT}] (the reference uses 16)")
+        if not 1 <= self.layers <= 64:
+            raise ConfigError(f"dflash.layers={self.layers!r} must lie in [1, 64]")
+        if self.gamma <= 0:
+            raise ConfigError(f"dflash.gamma={self.gamma!r} must be > 0 (slot k's weight is exp(-(k - 1) / gamma))")
+        _at_least("dflash.anchors", self.anchors, 1)
+        _at_least("dflash.mask_token_id", self.mask_token_id, -1, " (-1 = the target's pad token, else its eos)")
+        if not 0 <= self.lr <= MAX_LR:
+            raise ConfigError(f"dflash.lr={self.lr!r} must lie in [0, {MAX_LR:g}] (0 = train.lr)")
+        if any(x < 1 for x in self.target_layers):
+            raise ConfigError(f"dflash.target_layers={self.target_layers!r}: layers are numbered from 1 (HF "
+                              f"hidden_states indices; 0 is the embedding output)")
 
 
 @dataclass
@@ -373,6 +413,7 @@ class RunConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     export: ExportConfig = field(default_factory=ExportConfig)
+    dflash: DFlashTrainConfig = field(default_factory=DFlashTrainConfig)
 
     def __post_init__(self):
         # options of two sections that cannot hold together
@@ -391,7 +432,7 @@ class RunConfig:
 SECTIONS = {f.name: f.type for f in dataclasses.fields(RunConfig) if f.name != "name"}
 _SECTION_CLASSES = {
     "target": TargetConfig, "data": DataConfig, "capture": CaptureConfig,
-    "train": TrainConfig, "eval": EvalConfig, "export": ExportConfig,
+    "train": TrainConfig, "eval": EvalConfig, "export": ExportConfig, "dflash": DFlashTrainConfig,
 }
 
 

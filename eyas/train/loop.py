@@ -166,7 +166,12 @@ def init_draft(init: tuple[Eagle3Draft, dict], path: str, source: TrainSource, f
 
 
 def draft_meta(draft: Eagle3Draft, source: TrainSource, cfg: RunConfig) -> dict:
-    return {"draft_config": draft.cfg.to_dict(), "aux_layers": feature_layers(source, cfg.train.features),
+    if getattr(draft, "method", "eagle3") == "dflash":
+        return {"method": "dflash", "draft_config": draft.cfg.to_dict(), "aux_layers": list(draft.cfg.target_layers),
+                "features": "fused", "target": source.target, "target_model": source.target_model,
+                "store": source.store, "ttt": None, "target_num_layers": source.num_layers,
+                "init_from": cfg.train.init_from or None, "target_architectures": source.target_config.get("architectures")}
+    return {"method": "eagle3", "draft_config": draft.cfg.to_dict(), "aux_layers": feature_layers(source, cfg.train.features),
             "features": cfg.train.features,
             "target": source.target, "target_model": source.target_model, "store": source.store, "ttt": cfg.train.ttt,
             "target_num_layers": source.num_layers, "init_from": cfg.train.init_from or None,
@@ -174,18 +179,28 @@ def draft_meta(draft: Eagle3Draft, source: TrainSource, cfg: RunConfig) -> dict:
 
 
 def train(cfg: RunConfig, out_dir: str | Path, source: TrainSource, *, resume: bool = False,
-          device: str = "auto") -> dict:
+          device: str = "auto", method: str | None = None) -> dict:
     """Train a draft into out_dir (checkpoints, metrics, curves); returns a summary dict. With
-    train.init_from set, the run fine-tunes that draft (a run, step or export directory) instead."""
+    train.init_from set, the run fine-tunes that draft (a run, step or export directory) instead.
+    `method`: eagle3 or dflash (default: train.method, which must then name one)."""
+    if method is None:
+        if len(cfg.train.method) != 1:
+            raise EyasError(f"train.method={cfg.train.method} names {len(cfg.train.method)} draft families; `eyas train` "
+                            f"trains one: pass --set train.method=eagle3 or --set train.method=dflash (eyas run trains each)")
+        method = cfg.train.method[0]
     info = dist.init_distributed(device)
     try:
-        return _train(cfg, Path(out_dir), source, resume, info)
+        return _train(cfg, Path(out_dir), source, resume, info, method)
     finally:
         dist.cleanup(info)
 
 
-def _first_draft(tc, source: TrainSource) -> Eagle3Draft:
+def _first_draft(tc, source: TrainSource, dflash_cfg=None) -> Eagle3Draft:
     """A new draft for this source, or the one train.init_from names, checked against it."""
+    if dflash_cfg is not None:
+        from eyas.train.dflash import build_dflash_draft
+
+        return build_dflash_draft(source, dflash_cfg, tc.init_from)
     if not tc.init_from:
         return build_draft(source, tc.features, tc.fc_norm, tc.norm_output)
     from eyas.formats import load_draft
@@ -207,14 +222,19 @@ def _resume(run_dir: Path, draft: Eagle3Draft, meta: dict, state: dict, cfg: Run
     guards.check_resume_config(resumed, cfg)
     old = loaded["draft_meta"]
     # a checkpoint written before a draft config field existed has that field's default
-    old = {**old, "draft_config": DraftConfig.from_dict(old.get("draft_config") or {}).to_dict()
+    if old.get("method", "eagle3") != meta.get("method", "eagle3"):
+        raise EyasError(f"cannot resume from {resumed}: it trains a {old.get('method', 'eagle3')} draft, this run a "
+                        f"{meta.get('method')} one (train.method); use a new --out directory")
+    config_class = type(draft.cfg)  # DraftConfig or DFlashConfig
+    old = {**old, "draft_config": config_class.from_dict(old.get("draft_config") or {}).to_dict()
            if old.get("draft_config") else None}
     for key in ("draft_config", "aux_layers", "features"):
         if old.get(key) != meta[key]:
             raise EyasError(f"cannot resume from {resumed}: its {key} ({old.get(key)}) differs from this run's "
                             f"({meta[key]}); use a new --out directory")
     missing, unexpected = draft.load_state_dict(loaded["model"], strict=False)
-    assert missing == ["embed_tokens.weight"] and not unexpected, (missing, unexpected)
+    frozen = ["embed_tokens.weight", "lm_head.weight"] if meta.get("method") == "dflash" else ["embed_tokens.weight"]
+    assert sorted(missing) == frozen and not unexpected, (missing, unexpected)
     total_steps = state["total_steps"]
     state.update(loaded["trainer_state"])
     if not tc.steps and state.get("total_steps"):  # keep the schedule of the run we resume
@@ -248,10 +268,11 @@ class _Session:
     compiled: bool
 
 
-def _session(tc, draft: Eagle3Draft, info: dist.DistInfo, total_steps: int, loaded: dict | None) -> _Session:
+def _session(tc, draft: Eagle3Draft, info: dist.DistInfo, total_steps: int, loaded: dict | None,
+             module: nn.Module | None = None) -> _Session:
     draft.to(info.device)
-    compile_step = tc.compile and info.device.type == "cuda"  # inductor on CPU costs more than it saves here
-    model = dist.wrap(TTTModule(draft, tc.ttt, tc.loss_decay, tc.features, attention=_attention(tc, draft, info.device),
+    compile_step = tc.compile and info.device.type == "cuda" and module is None  # inductor on CPU costs more than it saves
+    model = dist.wrap(module if module is not None else TTTModule(draft, tc.ttt, tc.loss_decay, tc.features, attention=_attention(tc, draft, info.device),
                                 compile=compile_step, batch_tokens=tc.batch_tokens,
                                 compile_loss=tc.compile_loss, loss=loss_spec(tc)), info, tc.fsdp)
     params = [p for p in model.parameters() if p.requires_grad]
@@ -266,17 +287,29 @@ def _session(tc, draft: Eagle3Draft, info: dist.DistInfo, total_steps: int, load
     return _Session(model, params, optimizer, scheduler, autocast, compile_step)
 
 
-def _train(cfg: RunConfig, run_dir: Path, source: TrainSource, resume: bool, info: dist.DistInfo) -> dict:
+def _train(cfg: RunConfig, run_dir: Path, source: TrainSource, resume: bool, info: dist.DistInfo,
+           method: str = "eagle3") -> dict:
     # ---- setup
     tc = cfg.train
     seed_all(tc.seed)
     if info.rank == 0:
         run_dir.mkdir(parents=True, exist_ok=True)
-    draft = _first_draft(tc, source)  # its shape and vocabulary; a resumed run then loads its own weights over it
-    print0(f"draft: {draft.num_trainable_params() / 1e6:.2f}M trainable parameters "
-           f"(H {draft.cfg.hidden_size}, Vd {draft.cfg.draft_vocab_size}, fc {draft.cfg.num_aux_layers}*H -> H, "
-           f"features {tc.features}, TTT {tc.ttt})")
-    guards.check_memory(draft, tc, source.lm_head_weight, draft.cfg.num_aux_layers, info.device)
+    module = None
+    if method == "dflash":
+        from eyas.train.dflash import DFlashModule, dflash_train_config
+
+        draft = _first_draft(tc, source, cfg.dflash)
+        tc = dflash_train_config(tc, cfg.dflash)  # the loop's K is the block's guesses, its decay the slot weights
+        module = DFlashModule(draft, source.aux_layers, cfg.dflash.gamma, cfg.dflash.anchors, tc.batch_tokens)
+        print0(f"draft: DFlash, {draft.num_trainable_params() / 1e6:.2f}M trainable parameters (H {draft.cfg.hidden_size}, "
+               f"{draft.cfg.num_layers} layer(s), block {draft.cfg.block_size}, target layers {draft.cfg.target_layers} "
+               f"fused, mask token {draft.cfg.mask_token_id}, lr {tc.lr:g})")
+    else:
+        draft = _first_draft(tc, source)  # its shape and vocabulary; a resumed run then loads its own weights over it
+        print0(f"draft: {draft.num_trainable_params() / 1e6:.2f}M trainable parameters "
+               f"(H {draft.cfg.hidden_size}, Vd {draft.cfg.draft_vocab_size}, fc {draft.cfg.num_aux_layers}*H -> H, "
+               f"features {tc.features}, TTT {tc.ttt})")
+        guards.check_memory(draft, tc, source.lm_head_weight, draft.cfg.num_aux_layers, info.device)
     batcher, val_batcher = source.batchers(tc.batch_tokens, tc.seed, info.rank, info.world_size, tc.val_samples)
     batches_per_epoch = batcher.batches_per_epoch()  # an estimate while tailing a store being captured
     total_steps = tc.steps or max(1, math.ceil(tc.epochs * batches_per_epoch / tc.grad_accum))
@@ -285,7 +318,7 @@ def _train(cfg: RunConfig, run_dir: Path, source: TrainSource, resume: bool, inf
              "total_steps": total_steps, "nonfinite_steps": 0, "bad_in_a_row": 0}
     loaded = _resume(run_dir, draft, meta, state, cfg) if resume else None
     total_steps = state["total_steps"]
-    sess = _session(tc, draft, info, total_steps, loaded)
+    sess = _session(tc, draft, info, total_steps, loaded, module)
     logger = MetricsLogger(run_dir, info.rank == 0, resume_step=state["step"] if loaded else None)
     stream = batcher.stream(state["epoch"], state["batch_index"], info.device)
     if info.device.type == "cuda":
@@ -294,6 +327,8 @@ def _train(cfg: RunConfig, run_dir: Path, source: TrainSource, resume: bool, inf
     def save(step: int) -> Path:
         model_state = dist.model_state(sess.model, tc.fsdp)
         model_state = {k.removeprefix("module.").removeprefix("draft."): v for k, v in model_state.items()}
+        if method == "dflash":  # the target's lm_head, frozen like the embedding, is not the draft's to keep
+            model_state.pop("lm_head.weight", None)
         ckpt.check_finite(model_state, f"step {step}")  # on every rank, so that all stop together
         optim = {"optimizer": dist.optimizer_state(sess.model, sess.optimizer, tc.fsdp),
                  "scheduler": sess.scheduler.state_dict()}
