@@ -1,4 +1,4 @@
-"""`load_draft`: read any draft eyas meets into an `Eagle3Draft` plus what it was trained for.
+"""`load_draft`: read any draft eyas meets into an `Eagle3Draft` or a `DFlashDraft` plus what it was trained for.
 
 Accepted: a run directory (follows `latest`, also `RUN/train/latest`), a checkpoint step directory
 (`draft.json` + `model.safetensors`), an export of any of the three kinds (SGLang, vLLM, speculators),
@@ -8,6 +8,9 @@ through the one key map in `eyas.formats.keys`.
 
 Aux layer ids in `meta` are always in the Hugging Face `output_hidden_states` convention
 (docs/ALGORITHM.md section 1), whatever convention the source wrote.
+
+A DFlash draft (draft.json `method: "dflash"`, or a config.json of architecture `DFlashDraftModel`) goes
+through its own adapter, `eyas.formats.dflash`; `meta["method"]` says which kind was read.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from eyas.common import EyasError, nonfinite_tensors, read_json
+from eyas.formats import dflash
 from eyas.formats.configs import FORMATS
 from eyas.formats.keys import EMBED, FROM_FOREIGN, from_foreign
 
@@ -23,6 +27,7 @@ from eyas.formats.keys import EMBED, FROM_FOREIGN, from_foreign
 LAYOUT_FLAGS = ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output")
 REFUSED_FLAGS = ("norm_before_residual", "norm_before_fc")
 EAGLE31_FLAGS = ("fc_norm", "norm_output")
+METHODS = ("eagle3", "dflash")
 
 
 def resolve_draft_dir(path: str | Path) -> Path:
@@ -246,19 +251,46 @@ def _made_for(meta: dict) -> str:
     return f"made for {name!r}" if name else "its files do not name it"
 
 
-def load_draft(path: str | Path, embed_tokens=None):
-    """(Eagle3Draft in fp32 on CPU, eval mode; meta dict). See the module doc for what `path` may be.
+def _method(d: Path) -> str:
+    """The draft's method, eagle3 or dflash: a checkpoint's draft.json says (none: EAGLE-3), an export's
+    config.json architectures do."""
+    if (d / "draft.json").is_file():
+        method = _read_doc(d / "draft.json").get("method") or "eagle3"
+        if method not in METHODS:
+            raise EyasError(f"{d / 'draft.json'}: method {method!r} is not one of {', '.join(METHODS)}; this eyas "
+                            f"cannot read the checkpoint (written by a newer eyas, or damaged)")
+        return method
+    cfg = _read_doc(d / "config.json")
+    return "dflash" if dflash.ARCHITECTURE in (cfg.get("architectures") or []) else "eagle3"
 
-    meta: kind, path, aux_layers (HF ids or None if the source does not say), target (identity dict or
-    None for foreign checkpoints), target_model, features, ttt, num_layers, target_architectures,
-    has_embed, draft_config. Without an embedding in the file and without `embed_tokens` (the
-    target's [V, H] embedding), the draft's embedding is NaN so that forgetting it cannot go unnoticed.
+
+def _load_dflash(d: Path, embed_tokens, lm_head):
+    weights_path, raw = _read_weights(d)
+    if (d / "draft.json").is_file():
+        draft_cfg, meta = _meta_from_checkpoint(d)
+    else:
+        draft_cfg, meta = dflash.meta_from_export(d, _read_doc(d / "config.json"), _read_doc)
+    return dflash.build(d, weights_path, raw, draft_cfg, meta, embed_tokens, lm_head)
+
+
+def load_draft(path: str | Path, embed_tokens=None, lm_head=None):
+    """(Eagle3Draft or DFlashDraft in fp32 on CPU, eval mode; meta dict). See the module doc for what `path`
+    may be.
+
+    meta: method ("eagle3" or "dflash"), kind, path, aux_layers (HF ids or None if the source does not say),
+    target (identity dict or None for foreign checkpoints), target_model, features, ttt, num_layers,
+    target_architectures, has_embed, draft_config (a DFlash draft's also has_lm_head). Without an embedding
+    in the file and without `embed_tokens` (the target's [V, H] embedding), the draft's embedding is NaN so
+    that forgetting it cannot go unnoticed; the same holds for a DFlash draft's `lm_head` (the target's
+    [V, H] head). An EAGLE-3 draft has a head of its own and ignores `lm_head`.
     """
     import torch
 
     from eyas.draft import DraftConfig, Eagle3Draft
 
     d = resolve_draft_dir(path)
+    if _method(d) == "dflash":
+        return _load_dflash(d, embed_tokens, lm_head)
     _, raw = _read_weights(d)
     try:
         state = from_foreign(raw, str(d))
@@ -307,5 +339,6 @@ def load_draft(path: str | Path, embed_tokens=None):
         except (AssertionError, ValueError) as e:
             raise EyasError(f"{d}: bad draft vocabulary mapping ({e})") from None
     draft.eval()
-    meta.update(path=str(d), has_embed=has_embed or embed_tokens is not None, draft_config=dc.to_dict())
+    meta.update(method="eagle3", path=str(d), has_embed=has_embed or embed_tokens is not None,
+                draft_config=dc.to_dict())
     return draft, meta

@@ -5,6 +5,9 @@ unless the draft vocabulary is the target's in the same order), the engine's `co
 exact draft config, HF aux ids and target identity, so that eyas reads the export back losslessly)
 and a README.md with the launch command. A directory is written under a temporary name and renamed
 into place, so a reader never sees half an export.
+
+A DFlash draft gets the one layout both engines load (eyas.formats.dflash) in its `sglang` and `vllm`
+directories; it has no speculators export, which `export` says in one printed line.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ import tempfile
 from pathlib import Path
 
 from eyas.common import EyasError, atomic_write_json, atomic_write_text, print0, read_json, sha256_file, warn
-from eyas.formats import configs
+from eyas.formats import configs, dflash
 from eyas.formats.configs import FORMATS, TORCH_DTYPE_NAMES
 from eyas.formats.keys import EMBED, to_midlayer
 from eyas.formats.load import load_draft
@@ -38,6 +41,10 @@ def check_exportable(draft, meta: dict, formats: list[str]) -> None:
         raise EyasError(f"{src}: no aux layer ids recorded; without them an engine captures the wrong layers")
     if any(not isinstance(i, int) or isinstance(i, bool) for i in aux) or aux != sorted(set(aux)) or aux[0] < 1:
         raise EyasError(f"{src}: aux layer ids {aux} must be distinct ascending integers >= 1 (HF convention)")
+    if meta.get("method") == "dflash":
+        dflash.check_exportable(draft, meta, src)
+        _check_store(meta, src, aux)
+        return
     n = meta.get("num_layers")
     if n is not None and aux[-1] > int(n) - 1:
         raise EyasError(f"{src}: aux layer ids {aux} are out of range for the recorded {n}-layer target: "
@@ -53,16 +60,24 @@ def check_exportable(draft, meta: dict, formats: list[str]) -> None:
         raise EyasError(f"{src}: the draft fuses {len(aux)} aux layers, but vLLM (and SGLang before its "
                         f"PR #24663) builds fc for exactly 3; export it only with --to speculators, or train "
                         f"with train.features=fused")
+    _check_store(meta, src, aux)
+
+
+def _check_store(meta: dict, src: str, aux: list[int]) -> None:
+    """The store the checkpoint trained on must have captured its layers, from its target."""
     store = meta.get("store")
     if store and (Path(store) / "manifest.json").is_file():
         manifest = read_json(Path(store) / "manifest.json")
         captured = manifest.get("aux_layers")
-        # a "last"-features draft (EAGLE-2 style baseline) uses only the deepest captured layer
-        expected = captured[-1:] if captured and meta.get("features") == "last" else captured
-        if expected is not None and expected != aux:
+        if meta.get("method") == "dflash":  # a DFlash draft fuses any of the captured layers
+            bad = captured is not None and not set(aux) <= set(captured)
+        else:  # a "last"-features draft (EAGLE-2 style baseline) uses only the deepest captured layer
+            expected = captured[-1:] if captured and meta.get("features") == "last" else captured
+            bad = expected is not None and expected != aux
+        if bad:
             raise EyasError(f"{src}: the checkpoint records aux layers {aux} ({meta.get('features')} features) "
                             f"but its store {store} captured {captured}")
-        check_target(manifest.get("target"), ident, what=f"the store {store} of {src}",
+        check_target(manifest.get("target"), meta.get("target"), what=f"the store {store} of {src}",
                      fix="the checkpoint and its store must come from one training run")
 
 
@@ -99,11 +114,15 @@ def _weights(draft, meta: dict, dtype: str, with_embed: bool) -> dict:
 def _write_one(fmt: str, final: Path, state: dict, meta: dict, dtype: str) -> Path:
     from safetensors.torch import save_file
 
-    dc, aux = meta["draft_config"], list(meta["aux_layers"])
+    dc, aux, method = meta["draft_config"], list(meta["aux_layers"]), meta.get("method", "eagle3")
     final = check_claimable(final, "export").resolve()  # only an export eyas made is ever replaced
     out_dir = final.parent
     target = configs.serving_target(meta)
-    if fmt == "sglang":
+    convention = "sglang (HF - 1)" if fmt == "sglang" else "hf"
+    if method == "dflash":  # one layout for both engines
+        cfg, written = dflash.engine_config(dc, meta["num_layers"], dtype), dflash.to_dflash_ids(aux)
+        convention = "dflash target_layer_ids (0-based decoder layer, HF - 1)"
+    elif fmt == "sglang":
         cfg, written = configs.sglang_config(dc, aux, dtype), to_sglang_ids(aux)
         state = to_midlayer(state)  # SGLang's layer is `midlayer`; it skips names it cannot place
     elif fmt == "vllm":
@@ -119,16 +138,17 @@ def _write_one(fmt: str, final: Path, state: dict, meta: dict, dtype: str) -> Pa
         save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         atomic_write_json(tmp / "config.json", cfg)
         atomic_write_json(tmp / "eyas.json", {
-            "schema_version": SCHEMA_VERSION, "format": fmt, "dtype": dtype,
-            "aux_layers": aux, "aux_layers_written": written,
-            "aux_layers_convention": "sglang (HF - 1)" if fmt == "sglang" else "hf",
+            "schema_version": SCHEMA_VERSION, "format": fmt, "method": method, "dtype": dtype,
+            "aux_layers": aux, "aux_layers_written": written, "aux_layers_convention": convention,
             "target": meta.get("target"), "target_model": meta.get("target_model"),
             "target_num_layers": meta.get("num_layers"), "target_architectures": meta.get("target_architectures"),
             "target_name_or_path": meta.get("target_name_or_path"),
             "features": meta.get("features"), "ttt": meta.get("ttt"), "draft_config": dc,
             "source": meta.get("path"), "weights_sha256": sha256_file(tmp / "model.safetensors"),
         })
-        atomic_write_text(tmp / "README.md", configs.readme(fmt, str(final.resolve()), meta, written, dtype))
+        text = (dflash.readme(fmt, str(final), meta, dtype) if method == "dflash"
+                else configs.readme(fmt, str(final), meta, written, dtype))
+        atomic_write_text(tmp / "README.md", text)
         if final.exists():  # moved onto an empty directory of its own, then removed: never a name in use
             old = Path(tempfile.mkdtemp(prefix=f".{final.name}.", suffix=".old", dir=out_dir))
             final.rename(old)
@@ -147,6 +167,18 @@ def _write_one(fmt: str, final: Path, state: dict, meta: dict, dtype: str) -> Pa
     return final
 
 
+def _dflash_formats(formats: list[str], meta: dict) -> list[str]:
+    """The requested formats a DFlash draft has; a skipped speculators export is said, never silent."""
+    kept = [f for f in formats if f in dflash.FORMATS]
+    if not kept:
+        raise EyasError(f"{meta['path']}: a DFlash draft exports to {' and '.join(dflash.FORMATS)} only (eyas does not "
+                        f"write speculators' DFlash format); use --to {' or --to '.join(dflash.FORMATS)} or --to all")
+    if "speculators" in formats:
+        print0("export speculators -> not written: eyas does not write speculators' DFlash format; vLLM serves "
+               "the vllm export")
+    return kept
+
+
 def export(run_or_ckpt: str | Path, out_dir: str | Path, formats=("sglang", "vllm", "speculators"), *,
            dtype: str = "bf16", embed_tokens: bool = False) -> dict[str, Path]:
     """Export a run dir / step dir / export dir; returns {format: directory written}.
@@ -160,15 +192,24 @@ def export(run_or_ckpt: str | Path, out_dir: str | Path, formats=("sglang", "vll
     if dtype not in TORCH_DTYPE_NAMES:
         raise EyasError(f"export dtype {dtype!r} is not one of {', '.join(TORCH_DTYPE_NAMES)}")
     draft, meta = load_draft(run_or_ckpt)
+    several = len(formats) > 1  # the layout the user asked for, whatever a DFlash draft leaves out
+    if meta["method"] == "dflash":
+        formats = _dflash_formats(formats, meta)
     check_exportable(draft, meta, formats)
-    if embed_tokens and not meta["has_embed"]:
-        _embed_from_store(draft, meta)
-    state = _weights(draft, meta, dtype, embed_tokens)
-    if len(formats) > 1:
+    if meta["method"] == "dflash":
+        if embed_tokens:
+            warn(f"{meta['path']}: a DFlash export never holds the target's embedding or lm_head (the engines use "
+                 f"the target's); --embed / export.embed_tokens is ignored")
+        state = dflash.export_state(draft, dtype)
+    else:
+        if embed_tokens and not meta["has_embed"]:
+            _embed_from_store(draft, meta)
+        state = _weights(draft, meta, dtype, embed_tokens)
+    if several:
         claim(out_dir, "export")  # the directory that holds one export per format is eyas's too
     paths = {}
     for fmt in formats:
-        final = Path(out_dir) if len(formats) == 1 else Path(out_dir) / fmt
+        final = Path(out_dir) / fmt if several else Path(out_dir)
         paths[fmt] = _write_one(fmt, final, state, meta, dtype)
         print0(f"export {fmt:<11} -> {paths[fmt]}")
     return paths
