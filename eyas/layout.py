@@ -6,6 +6,8 @@
     RUN/train/             train: step checkpoints, latest/, metrics.jsonl, curves.png, summary.json
     RUN/eval/              eval: <bench>-<setting>.json (+ .png) per benchmark and setting, summary.json
     RUN/export/<format>/   export: one directory per format, each with a README.md holding its launch line
+    RUN/train-dflash/, RUN/eval-dflash/, RUN/export-dflash/<format>/
+                           the same three for a DFlash draft (train.method lists dflash) trained on the same store
     RUN/stages.json        the runner's record of each stage (fingerprints, status, times)
     RUN/processes.json     every stage process the runner started (pid, start time, devices)
     RUN/logs/<stage>.log   each stage's output
@@ -33,6 +35,15 @@ def eval_result_name(bench: str, setting: str) -> str:
 @dataclass(frozen=True)
 class RunLayout:
     run: Path
+    method: str = "eagle3"  # the draft family whose train/eval/export directories this layout names
+
+    @property
+    def _family(self) -> str:
+        return "" if self.method == "eagle3" else f"-{self.method}"
+
+    def family(self, method: str) -> "RunLayout":
+        """The same run's layout for another draft family (train.method)."""
+        return RunLayout(self.run, method)
 
     @property
     def config(self) -> Path:
@@ -53,7 +64,7 @@ class RunLayout:
 
     @property
     def train(self) -> Path:
-        return self.run / "train"
+        return self.run / f"train{self._family}"
 
     @property
     def train_metrics(self) -> Path:
@@ -70,7 +81,7 @@ class RunLayout:
 
     @property
     def eval(self) -> Path:
-        return self.run / "eval"
+        return self.run / f"eval{self._family}"
 
     def eval_result(self, bench: str, setting: str) -> Path:
         """One benchmark's result for one setting, written by `eyas eval --out-dir RUN/eval`."""
@@ -83,7 +94,7 @@ class RunLayout:
 
     @property
     def export(self) -> Path:
-        return self.run / "export"
+        return self.run / f"export{self._family}"
 
     def exported(self, fmt: str) -> Path:
         """The export in one format (sglang, vllm, speculators)."""

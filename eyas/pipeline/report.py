@@ -78,10 +78,13 @@ def last_metrics(layout: RunLayout) -> dict:
     return doc if isinstance(doc, dict) else {}
 
 
-def _training(layout: RunLayout) -> list[str]:
+FAMILIES = {"eagle3": "EAGLE-3", "dflash": "DFlash"}
+
+
+def _training(layout: RunLayout, titled: bool = False) -> list[str]:
     if not layout.train.exists():
         return []
-    md = ["", "## Training", ""]
+    md = ["", f"## Training ({FAMILIES[layout.method]})" if titled else "## Training", ""]
     init = _read(layout.latest_draft).get("init_from")
     if init:
         md += [f"Fine-tuned from `{init}` (train.init_from): the draft kept its weights and vocabulary.", ""]
@@ -108,21 +111,27 @@ def eval_results(layout: RunLayout) -> list[dict]:
     return rows
 
 
-def _speculative(layout: RunLayout) -> tuple[list[str], list[str]]:
-    rows = eval_results(layout)
+def _speculative(layouts: list[RunLayout]) -> tuple[list[str], list[str]]:
+    """One table for every family's eval results: with several families (train.method), side by side by draft."""
+    rows = [(lay, r) for lay in layouts for r in eval_results(lay)]
     if not rows:
         return [], []
+    both = len({lay.method for lay, _ in rows}) > 1
     # "repeated context": the 8 tokens before a cycle already stood in the answer (eyas.speculative.stats)
     md = ["", "## Speculative decoding", "",
-          "| benchmark-setting | tau | tau per request | tokens after a repeated context | tau elsewhere "
-          "| n-gram lookup alone: tau | speedup |",
-          "|---|---|---|---|---|---|---|"]
+          ("| draft " if both else "") + "| benchmark-setting | tau | tau per request | tokens after a repeated context "
+          "| tau elsewhere | n-gram lookup alone: tau | speedup |",
+          ("|---" if both else "") + "|---|---|---|---|---|---|---|"]
     summary = []
-    for r in rows:
+    for lay, r in sorted(rows, key=lambda x: (x[1]["name"], x[0].method)) if both else rows:
         share = f"{100 * r['repeats']:.0f} %" if isinstance(r["repeats"], (int, float)) else "?"
-        md.append(f"| {r['name']} | {_num(r['tau'])} | {_num(r['tau_request'])} | {share} | "
-                  f"{_num(r['tau_elsewhere'])} | {_num(r['ngram_tau'])} | {_num(r['speedup'])} |")
-        summary.append(f"eval     {r['name']}: tau {_num(r['tau'])}, speedup {_num(r['speedup'])}")
+        family = FAMILIES[lay.method]
+        md.append((f"| {family} " if both else "") + f"| {r['name']} | {_num(r['tau'])} | {_num(r['tau_request'])} | "
+                  f"{share} | {_num(r['tau_elsewhere'])} | {_num(r['ngram_tau'])} | {_num(r['speedup'])} |")
+        summary.append(f"eval     {family + ' ' if both else ''}{r['name']}: tau {_num(r['tau'])}, speedup "
+                       f"{_num(r['speedup'])}")
+    rows = [r for _, r in rows]
+    layout = layouts[0]
     md += [""] + [f"![per-position acceptance]({r['png'].relative_to(layout.run)})" for r in rows if r["png"]]
     return md, summary
 
@@ -137,11 +146,12 @@ def launch_line(readme: Path) -> str | None:
     return lines[fence + 1].strip() if fence is not None and fence + 1 < len(lines) else None
 
 
-def _export(layout: RunLayout, cfg: RunConfig) -> tuple[list[str], list[str]]:
+def _export(layout: RunLayout, cfg: RunConfig, titled: bool = False) -> tuple[list[str], list[str]]:
     formats = [f for f in cfg.export.formats if layout.exported(f).exists()]
     if not formats:
         return [], []
-    md = ["", "## Export", ""] + [f"- `{layout.exported(f)}`" for f in formats]
+    md = ["", f"## Export ({FAMILIES[layout.method]})" if titled else "## Export", ""] + \
+        [f"- `{layout.exported(f)}`" for f in formats]
     summary = [f"export   {layout.exported(f)}" for f in formats]
     for fmt in formats:
         line = launch_line(layout.export_readme(fmt))
@@ -176,11 +186,11 @@ def _loads(cfg: RunConfig, state: dict, engine_loads: list[dict]) -> tuple[list[
 
 def _RUNS_TARGET(cfg: RunConfig) -> set[str]:
     """The stages that run the target themselves (with transformers) under this config."""
-    stages = {"eval"}
+    stages = {"eval", "eval-dflash"}
     if cfg.target.backend != "vllm":
         stages |= {"prepare", "capture"}
     if cfg.capture.mode == "online":
-        stages.add("train")
+        stages |= {"train", "train-dflash"}
     return stages
 
 
@@ -190,9 +200,12 @@ def write_report(run: Path, cfg: RunConfig, state: dict, stages=STAGES, engine_l
     layout = RunLayout(Path(run))
     md = [f"# eyas run `{cfg.name}`", "", f"Target `{cfg.target.model}`, run directory `{run}`.", ""]
     summary: list[str] = []
-    for section_md, section_summary in (_stages(layout, state, stages), _loads(cfg, state, engine_loads or []),
-                                        _store(layout),
-                                        (_training(layout), []), _speculative(layout), _export(layout, cfg)):
+    families = [layout.family(m) for m in cfg.train.method]
+    titled = len(families) > 1
+    sections = [_stages(layout, state, stages), _loads(cfg, state, engine_loads or []), _store(layout)]
+    sections += [(_training(lay, titled), []) for lay in families]
+    sections += [_speculative(families)] + [_export(lay, cfg, titled) for lay in families]
+    for section_md, section_summary in sections:
         md += section_md
         summary += section_summary
     atomic_write_text(layout.report, "\n".join(md) + "\n")

@@ -144,7 +144,7 @@ class Runner:
         inputs' manifests are walked once per decision, not again at the start."""
         rec = self.state.get(stage.name, {})
         out = self.run / stage.writes
-        if os.path.lexists(out) and not ownership.owned(out, stage.name):
+        if os.path.lexists(out) and not ownership.owned(out, stage.kind):
             raise EyasError(f"{out} was not made by the {stage.name} stage of eyas run (it has no {ownership.MARKER} "
                             f"of that stage), so the run never adopts, replaces or removes it: move it out of "
                             f"{self.run}, or use another --run-dir")
@@ -244,7 +244,7 @@ class Runner:
             if self.engine is not None and self._uses_engine(stage):
                 cmds = [Cmd([*c.argv, "--engine-socket", str(self.engine_socket())], c.out) for c in cmds]
                 self.engine_load["served"].append(stage.name)
-            ownership.claim(self.run / stage.writes, stage.name, self.run_id)
+            ownership.claim(self.run / stage.writes, stage.kind, self.run_id)
             rec = self.state.setdefault(stage.name, {})
             if n > 0:  # tailing wave[0]'s output, which grows meanwhile
                 parts = {**parts, wave[0][0].writes: GROWING}

@@ -53,6 +53,11 @@ class Stage:
     external: Callable[[RunConfig], list[str]] = lambda cfg: []  # files outside the run dir it reads
     timeout_s: float = 0.0  # 0 = the runner's --stage-timeout
     unread: Callable[[RunConfig], tuple[str, ...]] = lambda cfg: ()  # of `reads`, those this config does not read
+    command: str = ""  # the eyas command whose kind of output it writes (eyas.ownership); "" = its name
+
+    @property
+    def kind(self) -> str:
+        return self.command or self.name
 
 
 def eyas_argv(ctx: Ctx, command: str, *args: str, dist: bool = False) -> list[str]:
@@ -75,8 +80,8 @@ def _capture(ctx: Ctx) -> list[Cmd]:
     return [Cmd(eyas_argv(ctx, "capture", "--data", str(layout.prepared), "--out", str(layout.store), dist=dist))]
 
 
-def _train(ctx: Ctx) -> list[Cmd]:
-    layout = ctx.layout
+def _train(ctx: Ctx, method: str = "eagle3") -> list[Cmd]:
+    layout = ctx.layout.family(method)
     if _store_mode(ctx.cfg):
         source = ["--store", str(layout.store)] + (["--tail"] if ctx.tail else [])
         # the draft vocabulary prepare built; a draft to fine-tune keeps its own (train refuses --vocab then)
@@ -84,25 +89,39 @@ def _train(ctx: Ctx) -> list[Cmd]:
     else:
         source = ["--source", "online", "--data", str(layout.prepared)]
     resume = ["--resume"] if ctx.resume else []
-    return [Cmd(eyas_argv(ctx, "train", *source, "--out", str(layout.train), *resume, dist=True))]
+    # config.yaml may list both families: each train stage trains its own
+    return [Cmd(eyas_argv(ctx, "train", *source, "--out", str(layout.train), *resume, "--set", f"train.method={method}",
+                          dist=True))]
 
 
-def _eval(ctx: Ctx) -> list[Cmd]:
-    ev, layout = ctx.cfg.eval, ctx.layout
+def _eval(ctx: Ctx, method: str = "eagle3") -> list[Cmd]:
+    ev, layout = ctx.cfg.eval, ctx.layout.family(method)
     # one process per benchmark, running every setting of the config (eval.steps, eval.tree) so that the
     # plain-decoding baseline is timed once per benchmark. A benchmark whose last setting's result exists
-    # is done: a resume skips it.
-    last = f"tree-{ev.tree.replace(',', 'x')}" if ev.tree else f"chain-{ev.steps[-1]}"
+    # is done: a resume skips it. A DFlash draft runs chains only, its whole block (block_size - 1) last.
+    if method == "dflash":
+        last = f"chain-{ctx.cfg.dflash.block_size - 1}"
+    else:
+        last = f"tree-{ev.tree.replace(',', 'x')}" if ev.tree else f"chain-{ev.steps[-1]}"
     return [Cmd(eyas_argv(ctx, "eval", "--draft", str(layout.train), "--bench", bench, "--out-dir", str(layout.eval)),
                 out=str(layout.eval_result(Path(bench).stem, last)))
             for bench in ev.benches]
 
 
-def _export(ctx: Ctx) -> list[Cmd]:
-    formats, layout = ctx.cfg.export.formats, ctx.layout
+def _export(ctx: Ctx, method: str = "eagle3") -> list[Cmd]:
+    formats, layout = export_formats(ctx.cfg, method), ctx.layout.family(method)
     # eyas export writes one format to --out itself, several to OUT/<format>/: each lands in RUN/export/<format>
     out = layout.exported(formats[0]) if len(formats) == 1 else layout.export
     return [Cmd(eyas_argv(ctx, "export", str(layout.train), "--to", ",".join(formats), "--out", str(out)))]
+
+
+def export_formats(cfg: RunConfig, method: str = "eagle3") -> list[str]:
+    """export.formats, less speculators for a DFlash draft (its format holds EAGLE-3 drafts only)."""
+    return [f for f in cfg.export.formats if method == "eagle3" or f != "speculators"]
+
+
+def _family(method: str) -> Callable[[RunConfig], bool]:
+    return lambda cfg: method in cfg.train.method
 
 
 def _store_mode(cfg: RunConfig) -> bool:
@@ -131,6 +150,8 @@ def _regen_gpu(cfg: RunConfig) -> str:
 
 _REL = RunLayout(Path())  # the run directory's paths relative to RUN: the table's names for outputs
 PREPARED, STORE, TRAIN, EVAL, EXPORT = (str(p) for p in (_REL.prepared, _REL.store, _REL.train, _REL.eval, _REL.export))
+_DF = _REL.family("dflash")
+TRAIN_DF, EVAL_DF, EXPORT_DF = (str(p) for p in (_DF.train, _DF.eval, _DF.export))
 
 STAGES = (
     #     name       reads                writes    depends on config                          gpus        commands
@@ -139,10 +160,21 @@ STAGES = (
     Stage("capture", (PREPARED,),         STORE,    ("target", "capture"),                    "all",      _capture,
           when=_store_mode, external=_target_files),
     Stage("train",   (PREPARED, STORE),   TRAIN,    ("target", "capture.mode", "train"),      "all",      _train,
-          tails="capture", external=_train_files, unread=lambda cfg: () if _store_mode(cfg) else (STORE,)),
+          when=_family("eagle3"), tails="capture", external=_train_files,
+          unread=lambda cfg: () if _store_mode(cfg) else (STORE,)),
     Stage("eval",    (TRAIN,),            EVAL,     ("target", "eval"),                       "one",      _eval,
-          external=_target_files),
-    Stage("export",  (TRAIN,),            EXPORT,   ("export",),                              "none",     _export),
+          when=_family("eagle3"), external=_target_files),
+    Stage("export",  (TRAIN,),            EXPORT,   ("export",),                              "none",     _export,
+          when=_family("eagle3")),
+    # a DFlash draft from the same store (train.method lists dflash), evaluated and exported beside the EAGLE-3 one
+    Stage("train-dflash", (PREPARED, STORE), TRAIN_DF, ("target", "capture.mode", "train", "dflash"), "all",
+          lambda ctx: _train(ctx, "dflash"), when=_family("dflash"), external=_train_files,
+          unread=lambda cfg: () if _store_mode(cfg) else (STORE,), command="train"),
+    Stage("eval-dflash", (TRAIN_DF,),     EVAL_DF,  ("target", "eval"),                       "one",
+          lambda ctx: _eval(ctx, "dflash"), when=_family("dflash"), external=_target_files, command="eval"),
+    Stage("export-dflash", (TRAIN_DF,),   EXPORT_DF, ("export",),                             "none",
+          lambda ctx: _export(ctx, "dflash"), command="export",
+          when=lambda cfg: "dflash" in cfg.train.method and bool(export_formats(cfg, "dflash"))),
 )
 
 
@@ -174,7 +206,10 @@ def _config_value(cfg: RunConfig, key: str):
     section, _, name = key.partition(".")
     value = getattr(cfg, section)
     value = getattr(value, name) if name else value
-    return dataclasses.asdict(value) if dataclasses.is_dataclass(value) else value
+    value = dataclasses.asdict(value) if dataclasses.is_dataclass(value) else value
+    if key == "train":  # each family's train stage trains one method: listing another does not make it stale
+        value.pop("method", None)
+    return value
 
 
 def config_values(stage: Stage, cfg: RunConfig) -> dict:

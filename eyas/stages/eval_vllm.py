@@ -43,6 +43,11 @@ def served_draft(draft: str | Path, tmp: Path) -> tuple[Path, dict]:
 
     d = resolve_draft_dir(draft)
     _, meta = load_draft(d)
+    if meta.get("method") == "dflash":
+        raise EyasError(f"{draft} is a DFlash draft: `eyas eval --engine vllm` measures EAGLE-3 drafts (vLLM's CPU build "
+                        f"cannot run DFlash's non-causal draft attention); measure it with `eyas eval` (engine eyas), or "
+                        f"serve its vllm export on a GPU with speculative_config {{\"method\": \"dflash\", \"model\": "
+                        f"EXPORT, \"num_speculative_tokens\": {meta['draft_config']['block_size'] - 1}}} (docs/FORMATS.md)")
     side = d / "eyas.json"
     if side.is_file() and read_json(side).get("format") in ("vllm", "speculators"):
         return d, meta

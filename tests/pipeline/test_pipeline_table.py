@@ -298,8 +298,11 @@ def test_the_stage_table_writes_where_the_layout_says():
     from eyas.layout import RunLayout
 
     layout = RunLayout(Path("/runs/r"))
+    df = layout.family("dflash")
     assert [layout.run / s.writes for s in STAGES] == [layout.prepared, layout.store, layout.train, layout.eval,
-                                                       layout.export]
+                                                       layout.export, df.train, df.eval, df.export]
+    assert (df.train, df.eval, df.exported("vllm")) == (Path("/runs/r/train-dflash"), Path("/runs/r/eval-dflash"),
+                                                        Path("/runs/r/export-dflash/vllm"))
     assert (layout.vocab, layout.stages, layout.lock) == (Path("/runs/r/prepared/vocab.safetensors"),
                                                           Path("/runs/r/stages.json"), Path("/runs/r/.runner.lock"))
     assert layout.eval_result("mt-bench", "chain-3") == Path("/runs/r/eval/mt-bench-chain-3.json")

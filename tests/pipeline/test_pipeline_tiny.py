@@ -31,3 +31,31 @@ def test_tiny_preset_end_to_end_then_skip(tmp_path):
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
     assert time.monotonic() - t0 < 10
     assert again.stdout.count("skipped") == len(STAGE_COMMANDS)
+
+
+@pytest.mark.slow
+def test_both_draft_families_from_one_store_side_by_side(tmp_path):
+    """train.method=[eagle3, dflash]: one store, each family trained, evaluated and exported; a change of the dflash
+    section reruns the DFlash stages only."""
+    run = tmp_path / "run"
+    cmd = [sys.executable, "-m", "eyas", "run", "--preset", "tiny", "--run-dir", str(run), "--quiet",
+           "--set", "train.method=[eagle3, dflash]", "--set", "dflash.block_size=4"]
+    first = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+    stages = json.loads((run / "stages.json").read_text())["stages"]
+    families = STAGE_COMMANDS + ["train-dflash", "eval-dflash", "export-dflash"]
+    assert {k: v["status"] for k, v in stages.items()} == {s: "done" for s in families}
+    assert json.loads((run / "train-dflash" / "latest" / "draft.json").read_text())["method"] == "dflash"
+    assert (run / "eval-dflash" / "mt-bench-chain-3.json").exists()  # eval.steps [3] and the block's 3 guesses
+    assert not list((run / "eval-dflash").glob("*tree*"))
+    assert {p.name for p in (run / "export-dflash").iterdir() if not p.name.startswith(".")} == {"sglang", "vllm"}
+    assert json.loads((run / "export-dflash" / "vllm" / "config.json").read_text())["architectures"] == ["DFlashDraftModel"]
+    report = (run / "report.md").read_text()
+    assert "| EAGLE-3 | mt-bench-chain-3 |" in report and "| DFlash | mt-bench-chain-3 |" in report
+    assert "## Training (DFlash)" in report and "## Export (EAGLE-3)" in report
+
+    again = subprocess.run(cmd + ["--set", "dflash.layers=2"], capture_output=True, text=True, timeout=600)
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    skipped = {line.split(":")[0].split()[-1] for line in again.stdout.splitlines() if "skipped" in line}
+    assert skipped >= set(STAGE_COMMANDS)
+    assert json.loads((run / "train-dflash" / "latest" / "draft.json").read_text())["draft_config"]["num_layers"] == 2

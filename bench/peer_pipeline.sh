@@ -1,0 +1,35 @@
+#!/bin/bash
+# SpecForge's trainer beside eyas's on one store, then whole-benchmark evals: both drafts in bf16 (tree 16,6,80)
+# and the eyas draft in fp32 (every turn must equal plain decoding). One GPU; the trainers and the evals run two
+# or three at a time, so their tau figures stand and their times and speedups do not (rerun eval alone for those).
+#
+#   bash bench/peer_pipeline.sh [CONFIG=full] [SELF_PROMPTS=6000] [EPOCHS=2] [LIMIT=0]
+#   env: W (work dir, default ~/peer-work), SF (folder holding specforge and its missing dependencies,
+#        bench/peer_specforge.py --specforge-path), PY (python, default python3), EVX (extra eval arguments)
+#
+# Both trainers get the same objective (the SpecForge-fixed knobs set on the eyas side). Timestamps of each
+# phase go to W/times.txt, each command's output to W/<phase>.log.
+CONFIG=${1:-full}; SELF=${2:-6000}; EPOCHS=${3:-2}; LIMIT=${4:-0}; SF=${SF:?set SF to the folder holding specforge and its missing dependencies}
+W=${W:-$HOME/peer-work}; mkdir -p $W; cd "${REPO:-$(dirname "$0")/..}"
+PY=${PY:-python3}
+t() { echo "$(date +%s) $(date +%T) $*" >> $W/times.txt; }
+MATCH="--set train.min_lr_ratio=0 --set train.loss_mask_token=position --set train.loss_norm=all --set train.mask_oov_target=true --set train.epochs=$EPOCHS"
+EV="--config $CONFIG --bench mt-bench --bench humaneval --limit $LIMIT --no-hf-baseline ${EVX:-}"
+t start
+$PY -m eyas prepare --config $CONFIG --set data.self_prompts=$SELF --out $W/prep > $W/prepare.log 2>&1 || { t prepare-FAILED; exit 1; }
+t prepared
+$PY -m eyas capture --config $CONFIG --data $W/prep --out $W/store > $W/capture.log 2>&1 || { t capture-FAILED; exit 1; }
+t captured
+$PY bench/peer_specforge.py --store $W/store --out $W/peer --config $CONFIG $MATCH --specforge-path $SF --stage convert > $W/convert.log 2>&1 || { t convert-FAILED; exit 1; }
+t converted
+STEPS=$($PY -c "import json;print(json.load(open('$W/peer/peer.json'))['plan']['steps'])")
+t steps=$STEPS
+( $PY -m eyas train --config $CONFIG $MATCH --store $W/store --out $W/eyas-run --steps $STEPS > $W/eyas-train.log 2>&1; t eyas-trained-rc$?
+  $PY -m eyas eval $EV --draft $W/eyas-run --tree 16,6,80 --out-dir $W/eval-eyas > $W/eval-eyas.log 2>&1 & 
+  $PY -m eyas eval $EV --draft $W/eyas-run --tree 16,6,80 --set target.dtype=fp32 --out-dir $W/eval-eyas-fp32 > $W/eval-eyas-fp32.log 2>&1; t eval-eyas-fp32-rc$?
+  wait; t eval-eyas-done ) &
+( $PY bench/peer_specforge.py --store $W/store --out $W/peer --config $CONFIG $MATCH --specforge-path $SF --stage train > $W/sf-train.log 2>&1; t sf-trained-rc$?
+  $PY bench/peer_specforge.py --store $W/store --out $W/peer --config $CONFIG $MATCH --specforge-path $SF --stage export > $W/sf-export.log 2>&1; t sf-exported-rc$?
+  $PY -m eyas eval $EV --draft $W/peer/draft --tree 16,6,80 --out-dir $W/eval-sf > $W/eval-sf.log 2>&1; t eval-sf-rc$? ) &
+wait
+t ALL-DONE
