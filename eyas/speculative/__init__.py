@@ -1,5 +1,6 @@
 """Speculative decoding with an EAGLE-3 draft: chain and EAGLE-2 tree drafting, lossless acceptance,
-acceptance statistics and benchmarks (docs/ALGORITHM.md section 4).
+acceptance statistics and benchmarks (docs/ALGORITHM.md section 4); with a DFlash draft, chains of one
+block per cycle (engine.py).
 
     engine = SpecEngine(target.model, draft, aux_layers)          # aux ids in the HF convention
     res = engine.generate(ids, 128, steps=5)                       # or tree=(topk, depth, total)

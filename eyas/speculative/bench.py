@@ -1,5 +1,8 @@
 """Benchmarks: MT-bench, HumanEval or a user JSONL, through the engine, with baselines and results.
 
+Drafts of either method (EAGLE-3, DFlash: `method` in each result and its summary); a DFlash draft runs
+chains only (`block_settings`).
+
 A benchmark is a list of requests `{"id", "turns": [user message, ...]}`. Each turn is encoded with
 the chat template over the conversation so far, whose assistant turns are the model's own answers
 (MT-bench's second turn follows the first answer). The same contexts are then decoded by plain
@@ -102,6 +105,24 @@ def settings_of(steps: list[int], tree: str | None) -> list[tuple[str, dict]]:
     if tree:
         out.append(("tree-" + "x".join(tree.split(",")), {"tree": parse_tree(tree)}))
     return out
+
+
+def block_settings(settings: list[tuple[str, dict]], block_size: int) -> list[tuple[str, dict]]:
+    """The settings a DFlash draft of `block_size` can run: the chains of at most block_size - 1 guesses, plus
+    that chain itself (the draft's natural block), shortest first; what is dropped is said in one line each."""
+    natural = block_size - 1
+    kept = []
+    for name, setting in settings:
+        if "tree" in setting:
+            print0(f"{name}: skipped, a DFlash draft proposes one chain per cycle (its block); DFlash defines no tree")
+        elif setting["steps"] > natural:
+            print0(f"{name}: skipped, a DFlash draft of block_size {block_size} guesses at most {natural} tokens "
+                   f"per cycle")
+        else:
+            kept.append((name, setting))
+    if all(setting["steps"] != natural for _, setting in kept):
+        kept.append((f"chain-{natural}", {"steps": natural}))
+    return sorted(kept, key=lambda s: s[1]["steps"])
 
 
 def _generator(engine, seed: int):
@@ -262,6 +283,7 @@ def bench_one(engine, target, bench: str, settings, temperature: float, max_new_
     tok = target.tokenizer
     eos = stop_token_ids(tok, getattr(target.model, "generation_config", None))
     requests = load_bench(bench, limit)
+    method = getattr(engine, "method", None) or "eagle3"
     warm_up(engine, target.model, tok, settings, eos, hf, chat_template_kwargs)
     baseline, summaries = None, {}
     for name, setting in settings:
@@ -306,7 +328,9 @@ def bench_one(engine, target, bench: str, settings, temperature: float, max_new_
         for r in records:  # the context ids stay in the file: with them anyone can re-run plain decoding
             for t in r["turns"]:
                 t["num_prompt_tokens"] = len(t["prompt_ids"])
+        summary["method"] = method
         result = {
+            "method": method,
             "settings": run_settings,
             "summary": summary,
             "baseline": {k: v for k, v in baseline.items() if k != "plain_tokens"},

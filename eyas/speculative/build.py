@@ -1,4 +1,5 @@
-"""A speculative-decoding engine for a loaded target and a draft on disk, checked to fit each other."""
+"""A speculative-decoding engine for a loaded target and a draft on disk (EAGLE-3 or DFlash), checked to fit
+each other."""
 
 from __future__ import annotations
 
@@ -35,8 +36,10 @@ def build_engine(target, draft_path: str | Path, aux_layers=None, cuda_graphs: b
             raise EyasError(f"{why}; drop --compile-draft (or --set eval.compile_draft=false)")
         warn(f"{why}: the draft's passes run uncompiled here (the results record compile_draft: null)")
         compile_draft = False
-    draft, meta = load_draft(draft_path, embed_tokens=target.embed_tokens.weight)
+    # a DFlash draft scores with the target's lm_head, which its files leave out; EAGLE-3 ignores lm_head
+    draft, meta = load_draft(draft_path, embed_tokens=target.embed_tokens.weight, lm_head=target.lm_head.weight)
     meta["weights_stamp"] = weights_stamp(draft_path)
+    method = getattr(draft, "method", "eagle3")
     dc = draft.cfg
     if dc.hidden_size != target.hidden_size or dc.vocab_size != target.vocab_size:
         raise EyasError(f"draft {draft_path} was built for hidden size {dc.hidden_size} and vocab {dc.vocab_size}, "
@@ -44,10 +47,21 @@ def build_engine(target, draft_path: str | Path, aux_layers=None, cuda_graphs: b
                         f"pass the draft's own target with --target")
     check_target(meta.get("target"), target.identity, what=f"the draft {draft_path}",
                  fix="pass the draft's own target with --target")
-    aux = meta.get("aux_layers") or resolve_aux_layers(aux_layers, target.num_layers)
-    if len(aux) != dc.num_aux_layers:
-        raise EyasError(f"draft {draft_path} fuses {dc.num_aux_layers} aux layers but {len(aux)} ids are known ({aux})")
+    if method == "dflash":  # the draft names its own target layers; target.aux_layers is EAGLE-3's
+        aux = list(dc.target_layers)
+        if meta.get("aux_layers") and list(meta["aux_layers"]) != aux:
+            raise EyasError(f"draft {draft_path}: its files name the aux layers {meta['aux_layers']} but its config "
+                            f"fuses the target layers {aux}; they do not belong together")
+        bad = [i for i in aux if not 1 <= i <= target.num_layers - 1]
+        if bad:
+            raise EyasError(f"draft {draft_path} fuses the target layers {aux}: {bad} are outside 1.."
+                            f"{target.num_layers - 1} of the {target.num_layers}-layer target {target.name}")
+    else:
+        aux = meta.get("aux_layers") or resolve_aux_layers(aux_layers, target.num_layers)
+        if len(aux) != dc.num_aux_layers:
+            raise EyasError(f"draft {draft_path} fuses {dc.num_aux_layers} aux layers but {len(aux)} ids are known "
+                            f"({aux})")
     draft = draft.to(device=target.device, dtype=target.dtype)
     engine = SpecEngine(target.model, draft, aux, sync_timing=not static, static=static,
                         compile_draft="inductor" if compile_draft else None)
-    return engine, {"aux": aux, "meta": meta}
+    return engine, {"aux": aux, "meta": meta, "method": method}

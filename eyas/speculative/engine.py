@@ -1,4 +1,5 @@
-"""SpecEngine: EAGLE-3 speculative decoding (chain or dynamic tree), and plain decoding with the same code.
+"""SpecEngine: EAGLE-3 speculative decoding (chain or dynamic tree), DFlash chains, and plain decoding with the
+same code.
 
 One cycle, with N committed tokens (target cache 0..N-1, draft cache 0..N-1) and the pending token
 x_N (known, not yet seen by the target):
@@ -16,6 +17,14 @@ Batch size 1. Times are wall-clock, synchronised on CUDA.
 
 With `static=True`, greedy chains, trees and plain decoding run with fixed shapes instead
 (graphs.py), replayed as CUDA graphs on a GPU; sampling keeps the dynamic path.
+
+A DFlash draft (`draft.method == "dflash"`, eyas/draft/dflash.py) drafts a chain of k <= block_size - 1
+tokens in one forward over the block [x_N, mask, ...] at positions N.., attending to a DFlashContext: the
+fused target features of the committed tokens 0..N-1. Verification and acceptance are as above (its guesses
+are greedy, so a deterministic proposal: sampling stays exact); the context then grows by the target's aux
+states of x_N and the accepted tokens (the bonus has none yet: it anchors the next block). DFlash defines
+no tree, and its decoding has no static path yet: an engine made with static=True for a DFlash draft decodes
+on the dynamic path (plain decoding too, so speedups compare like with like) and says so once.
 """
 
 from __future__ import annotations
@@ -25,6 +34,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from eyas.common import print0
 from eyas.speculative.accept import accept_sample, sample_token, walk_greedy
 from eyas.speculative.drafting import crop_cache, draft_chain, draft_tree
 from eyas.speculative.graphs import GraphDecoder
@@ -87,8 +97,13 @@ def _accept(logits: torch.Tensor, steps: int | None, proposal, temperature: floa
     return tokens, path, bonus, best
 
 
+def draft_method(draft) -> str | None:
+    """"eagle3" or "dflash" (a draft's `method` attribute; EAGLE-3 drafts need none); None without a draft."""
+    return None if draft is None else getattr(draft, "method", "eagle3")
+
+
 class SpecEngine:
-    """A target model plus an EAGLE-3 draft (Eagle3Draft or anything with its interface)."""
+    """A target model plus an EAGLE-3 draft (Eagle3Draft or anything with its interface) or a DFlashDraft."""
 
     def __init__(self, target_model, draft=None, aux_layers: list[int] | None = None, sync_timing: bool = True,
                  static: bool = False, compile_draft: str | None = None):
@@ -97,7 +112,25 @@ class SpecEngine:
         static: greedy chains and plain decoding with fixed shapes (graphs.py): CUDA graphs on a GPU,
         the same passes eagerly elsewhere.
         compile_draft: a torch.compile backend ("inductor") for the draft's passes on the static path
-        (graphs.GraphDecoder); None: eager."""
+        (graphs.GraphDecoder); None: eager.
+        A DFlash draft reads the target's states at draft.cfg.target_layers (aux_layers may be None or must
+        equal them); static and compile_draft are EAGLE-3 only and fall back to the dynamic path, said once."""
+        self.method = draft_method(draft)
+        if self.method == "dflash":
+            if aux_layers is not None and list(aux_layers) != list(draft.cfg.target_layers):
+                raise ValueError(f"the DFlash draft fuses the target layers {draft.cfg.target_layers} (its "
+                                 f"cfg.target_layers), not the aux layers {list(aux_layers)} given")
+            aux_layers = list(draft.cfg.target_layers)
+            num_layers = len(target_model.model.layers)
+            if not all(1 <= i <= num_layers - 1 for i in aux_layers):  # hooks read residual states 1..L-1
+                raise ValueError(f"the DFlash draft's target layers {aux_layers} must lie in 1..{num_layers - 1} "
+                                 f"(HF hidden_states ids of this {num_layers}-layer target)")
+            if static or compile_draft:
+                print0("DFlash draft: CUDA graphs and the compiled draft are EAGLE-3 only for now; speculative and "
+                       "plain decoding run on the dynamic (eager) path")
+                static, compile_draft = False, None
+        elif self.method not in (None, "eagle3"):
+            raise ValueError(f"draft method {self.method!r}: the engine decodes with eagle3 or dflash drafts")
         if compile_draft and not static:
             raise ValueError(f"compile_draft={compile_draft!r} needs static=True: only the static path's "
                              f"draft passes are compiled")
@@ -113,6 +146,7 @@ class SpecEngine:
         self.compile_draft = compile_draft
         self._decoder: GraphDecoder | None = None
         self._d2t = None
+        self.context = None  # a DFlash draft's DFlashContext after the last generation (for inspection)
 
     def _sync(self) -> None:
         if self.device.type == "cuda":
@@ -180,6 +214,16 @@ class SpecEngine:
             raise ValueError("give exactly one of steps=K (chain) or tree=(topk, depth, total)")
         prompt = self._ids(input_ids)
         eos = set(int(e) for e in eos_token_ids)
+        if self.method == "dflash":
+            block = self.draft.cfg.block_size
+            if tree is not None:
+                raise ValueError(f"tree={tuple(tree)}: a DFlash draft proposes one chain per cycle (its block); "
+                                 f"DFlash defines no tree: use steps=K, 1 <= K <= {block - 1}")
+            if not 1 <= steps <= block - 1:
+                raise ValueError(f"steps={steps}: a DFlash draft of block_size {block} guesses 1..{block - 1} "
+                                 f"tokens per cycle")
+            with varying_shape_attention():
+                return self._dflash(prompt, max_new_tokens, steps, temperature, eos, generator)
         if self.static and temperature == 0:
             return self._static(prompt, max_new_tokens, eos, steps, tree)
         with varying_shape_attention():
@@ -251,6 +295,71 @@ class SpecEngine:
                 res.draft_s += (t2 - t1) + (time.perf_counter() - t3)
                 res.verify_s += t3 - t2
                 res.draft_tokens_per_cycle.append(fed + len(rows))
+            self._sync()
+            res.total_s = time.perf_counter() - t0
+        finally:
+            self.runner.detach()
+        res.tokens = _cut(res.tokens, max_new_tokens, eos)
+        return res
+
+    def _dflash(self, prompt: torch.Tensor, max_new_tokens: int, steps: int, temperature: float, eos: set[int],
+                generator) -> GenResult:
+        """DFlash chain decoding: with N committed tokens (target cache and draft context 0..N-1) and the pending
+        x_N, one draft forward over the block anchored at x_N guesses x_{N+1..N+k}; one causal target pass
+        verifies [x_N, guesses]; the target states of x_N and the accepted guesses join the context."""
+        from eyas.draft.dflash import DFlashContext, propose_block
+
+        n = prompt.shape[1]
+        res = GenResult(tokens=[])
+        block = self.draft.cfg.block_size
+        self.runner.attach()
+        try:
+            self._sync()
+            t0 = time.perf_counter()
+            capacity = n + max_new_tokens + steps + 2
+            cache = self.runner.new_cache(capacity)
+            pos = Positions(capacity, self.device)
+            logits, aux = self.runner.forward(cache, prompt, pos.at(0, n), pos.causal(0, n), last_only=True)
+            cache.advance(n)
+            pending_dev = sample_token(logits[-1], temperature, generator, on_device=True)  # [1]
+            res.tokens.append(int(pending_dev))
+            context = self.context = DFlashContext(self.draft)
+            context.append(aux, pos.at(0, n))  # the prompt's features: positions 0..n-1
+            self.draft_forward_tokens += n
+            self._sync()
+            res.prefill_s = time.perf_counter() - t0
+            while not _finished(res.tokens, max_new_tokens, eos):
+                big_n = cache.length
+                assert context.length == big_n, (context.length, big_n)
+                t1 = time.perf_counter()
+                proposal = propose_block(self.draft, context, pending_dev, big_n, steps)  # [k] target ids
+                feed = torch.cat([pending_dev, proposal]).view(1, -1)
+                self.draft_forward_tokens += block
+                self._split_sync()
+                t2 = time.perf_counter()
+                logits, aux = self.runner.forward(cache, feed, pos.at(big_n, steps + 1), pos.causal(big_n, steps + 1))
+                tokens, path, bonus, best = _accept(logits, steps, proposal, temperature, generator)
+                a = len(path)
+                cache.advance(a + 1)  # a chain's path is rows 1..a: x_N and the accepted guesses are in place
+                self._split_sync()
+                t3 = time.perf_counter()
+                before = len(res.tokens)
+                res.tokens.extend(tokens[:a] + [bonus])
+                res.num_cycles += 1
+                res.accepted_per_cycle.append(a)
+                res.accepted_depths.append(steps)
+                res.target_tokens_per_cycle.append(steps + 1)
+                res.verify_s += t3 - t2
+                if _finished(res.tokens, max_new_tokens, eos, before):
+                    res.draft_s += t2 - t1
+                    res.draft_tokens_per_cycle.append(block)
+                    break
+                context.append(aux[:a + 1], pos.at(big_n, a + 1))
+                self.draft_forward_tokens += a + 1
+                pending_dev = best[a:a + 1] if best is not None else self._ids([bonus])[0]
+                self._split_sync()
+                res.draft_s += (t2 - t1) + (time.perf_counter() - t3)
+                res.draft_tokens_per_cycle.append(block + a + 1)  # the block's queries, the context's new rows
             self._sync()
             res.total_s = time.perf_counter() - t0
         finally:

@@ -1,5 +1,9 @@
 """The eval stage: speculative decoding with a trained draft on MT-bench, HumanEval or a JSONL of prompts.
 
+An EAGLE-3 draft runs eval.steps' chains and eval.tree; a DFlash draft runs chains only: each of eval.steps
+that fits its block (at most block_size - 1 guesses) plus block_size - 1 itself, its trees skipped with a line
+saying why. Each result and summary.json entry records the draft's `method`.
+
 Besides one RESULT.json (+ .png) per benchmark and setting, the stage keeps `summary.json` in the results'
 directory: the stage's own summary that the run report reads (`wall_s`, `tokens_per_s`) and the headline
 figures of every result there, merged across runs (`eyas run` runs one benchmark per process), written
@@ -24,9 +28,9 @@ from eyas.ownership import writing
 
 SUMMARY = "summary.json"
 # the figures of a benchmark summary that summary.json repeats per result
-HEADLINE = ("tau_pooled", "tau_per_request", "speedup_vs_plain", "speedup_vs_hf", "tokens_per_s", "plain_tokens_per_s",
-            "hf_tokens_per_s", "plain_mismatches", "num_requests", "num_tokens", "num_cycles", "total_s",
-            "repeat_token_share", "tau_in_repeats", "tau_elsewhere", "ngram_k", "ngram_tau")
+HEADLINE = ("method", "tau_pooled", "tau_per_request", "speedup_vs_plain", "speedup_vs_hf", "tokens_per_s",
+            "plain_tokens_per_s", "hf_tokens_per_s", "plain_mismatches", "num_requests", "num_tokens", "num_cycles",
+            "total_s", "repeat_token_share", "tau_in_repeats", "tau_elsewhere", "ngram_k", "ngram_tau")
 
 
 @dataclass(frozen=True)
@@ -80,7 +84,7 @@ def _run_vllm(cfg, inputs: Inputs, out: str | Path, target, settings, result_pat
 
 def _run(cfg, inputs: Inputs, out: str | Path, target, settings, result_path, hf, require_compile,
          batch_size: int = 1) -> dict:
-    from eyas.speculative.bench import settings_of
+    from eyas.speculative.bench import bench_name, block_settings, settings_of
     from eyas.speculative.build import build_engine
 
     started = time.perf_counter()
@@ -99,7 +103,12 @@ def _run(cfg, inputs: Inputs, out: str | Path, target, settings, result_path, hf
                              trust_remote_code=cfg.target.trust_remote_code)
     engine, info = build_engine(target, inputs.draft, cfg.target.aux_layers, cuda_graphs=cfg.eval.cuda_graphs,
                                 compile_draft=cfg.eval.compile_draft, require_compile=require_compile)
-    print0(f"target {target.name} ({target.device}, {target.dtype}) | draft {inputs.draft} | aux layers {info['aux']} | "
+    method = info["method"]
+    if method == "dflash":  # chains of at most block_size - 1 guesses, and that one itself
+        settings = block_settings(settings, engine.draft.cfg.block_size)
+        result_path = _distinct(result_path, [bench_name(b) for b in cfg.eval.benches], settings)
+    print0(f"target {target.name} ({target.device}, {target.dtype}) | {method} draft {inputs.draft}"
+           f"{f' (block {engine.draft.cfg.block_size})' if method == 'dflash' else ''} | aux layers {info['aux']} | "
            f"{'CUDA graphs for greedy chains, trees and plain decoding' if engine.static else 'eager decoding'}"
            f"{f' (draft compiled, {engine.compile_draft})' if engine.compile_draft else ''} | "
            f"settings {', '.join(n for n, _ in settings)} | temperature {cfg.eval.temperature} | "
@@ -109,6 +118,22 @@ def _run(cfg, inputs: Inputs, out: str | Path, target, settings, result_path, hf
         result_path = lambda bench, name: Path(out) / eval_result_name(bench, name)  # noqa: E731
     hf = cfg.eval.hf_baseline if hf is None else hf
     return run_benches(cfg, engine, target, info, settings, str(inputs.draft), result_path, started, hf=hf)
+
+
+def _distinct(result_path, benches: list[str], settings) -> Callable[[str, str], Path] | None:
+    """`result_path`, or where it names one file for several results (it was made for one setting and a DFlash
+    draft added its block's chain) one that adds -BENCH-SETTING to the name, as `eyas eval --out` does for many."""
+    if result_path is None:
+        return None
+    paths = {result_path(b, name) for b in benches for name, _ in settings}
+    if len(paths) == len(benches) * len(settings):
+        return result_path
+
+    def each(bench: str, name: str) -> Path:
+        p = result_path(bench, name)
+        return p.with_name(f"{p.stem}-{bench}-{name}{p.suffix}")
+
+    return each
 
 
 def run_benches(cfg, engine, target, info: dict, settings, draft: str, result_path, started: float,
