@@ -1,6 +1,7 @@
 """`eyas run --preset tiny` end to end with the real stage commands, then a rerun that skips everything."""
 
 import json
+import re
 import subprocess
 import sys
 import time
@@ -56,6 +57,6 @@ def test_both_draft_families_from_one_store_side_by_side(tmp_path):
 
     again = subprocess.run(cmd + ["--set", "dflash.layers=2"], capture_output=True, text=True, timeout=600)
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
-    skipped = {line.split(":")[0].split()[-1] for line in again.stdout.splitlines() if "skipped" in line}
+    skipped = set(re.findall(r"(\S+): skipped", again.stdout))
     assert skipped >= set(STAGE_COMMANDS)
     assert json.loads((run / "train-dflash" / "latest" / "draft.json").read_text())["draft_config"]["num_layers"] == 2
