@@ -229,6 +229,16 @@ class SpecEngine:
         with varying_shape_attention():
             return self._dynamic(prompt, max_new_tokens, steps, tree, temperature, eos, generator)
 
+    def _prefill(self, prompt: torch.Tensor, capacity: int, temperature: float, generator):
+        """The target's pass over the prompt into a new cache of `capacity` -> (cache, positions, the prompt's aux
+        states [n, A*H], the first new token [1] on the device)."""
+        n = prompt.shape[1]
+        cache = self.runner.new_cache(capacity)
+        pos = Positions(capacity, self.device)
+        logits, aux = self.runner.forward(cache, prompt, pos.at(0, n), pos.causal(0, n), last_only=True)
+        cache.advance(n)
+        return cache, pos, aux, sample_token(logits[-1], temperature, generator, on_device=True)
+
     def _dynamic(self, prompt: torch.Tensor, max_new_tokens: int, steps: int | None, tree: tuple | None,
                  temperature: float, eos: set[int], generator) -> GenResult:
         """`generate` with growing caches and eager passes: sampling, and greedy decoding without `static`."""
@@ -239,12 +249,7 @@ class SpecEngine:
         try:
             self._sync()
             t0 = time.perf_counter()
-            capacity = n + max_new_tokens + width + 2
-            cache = self.runner.new_cache(capacity)
-            pos = Positions(capacity, self.device)
-            logits, aux = self.runner.forward(cache, prompt, pos.at(0, n), pos.causal(0, n), last_only=True)
-            cache.advance(n)
-            pending_dev = sample_token(logits[-1], temperature, generator, on_device=True)  # [1]
+            cache, pos, aux, pending_dev = self._prefill(prompt, n + max_new_tokens + width + 2, temperature, generator)
             pending = int(pending_dev)
             res.tokens.append(pending)
             hidden, dlogits, dcache = self._draft_forward(aux, torch.cat([prompt[0, 1:], pending_dev]), pos.at(0, n),
@@ -316,12 +321,7 @@ class SpecEngine:
         try:
             self._sync()
             t0 = time.perf_counter()
-            capacity = n + max_new_tokens + steps + 2
-            cache = self.runner.new_cache(capacity)
-            pos = Positions(capacity, self.device)
-            logits, aux = self.runner.forward(cache, prompt, pos.at(0, n), pos.causal(0, n), last_only=True)
-            cache.advance(n)
-            pending_dev = sample_token(logits[-1], temperature, generator, on_device=True)  # [1]
+            cache, pos, aux, pending_dev = self._prefill(prompt, n + max_new_tokens + steps + 2, temperature, generator)
             res.tokens.append(int(pending_dev))
             context = self.context = DFlashContext(self.draft)
             context.append(aux, pos.at(0, n))  # the prompt's features: positions 0..n-1

@@ -91,6 +91,10 @@ class TargetRunner:
         self.model = model
         self.aux_layers = list(aux_layers or [])
         self.layers = model.model.layers
+        bad = [i for i in self.aux_layers if not 1 <= i <= len(self.layers) - 1]
+        if bad:  # a hook on layer i - 1 reads hidden_states[i]; the last index is post-norm in HF, a hook's is not
+            raise ValueError(f"aux layers {bad} lie outside 1..{len(self.layers) - 1} (HF hidden_states indices of this "
+                             f"{len(self.layers)}-layer target whose states a layer hook can read)")
         self.attn_impl = getattr(model.config, "_attn_implementation", "sdpa")
         if self.attn_impl not in ("sdpa", "eager"):
             raise ValueError(f"speculative decoding needs sdpa or eager attention for tree masks, not {self.attn_impl!r}")

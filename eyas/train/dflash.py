@@ -59,7 +59,8 @@ def sample_anchors(loss_mask: torch.Tensor, attention_mask: torch.Tensor, per_sa
         keep = keep & (top.values >= cut)
     anchors = torch.where(keep, top.indices, torch.zeros_like(top.indices))
     order = torch.where(keep, anchors, torch.full_like(anchors, t)).argsort(dim=1)  # kept ones first, ascending
-    return anchors.gather(1, order), keep.gather(1, order)
+    width = max(1, int(keep.sum(1).max()))  # no row needs more columns than its kept anchors
+    return anchors.gather(1, order)[:, :width], keep.gather(1, order)[:, :width]
 
 
 def slot_weights(block_size: int, gamma: float, device) -> torch.Tensor:
