@@ -39,7 +39,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from eyas.draft.config import DraftConfig
-from eyas.draft.model import RMSNorm, RotaryEmbedding, apply_rope, rope_cos_sin
+from eyas.draft.model import MLP, RMSNorm, RotaryEmbedding, apply_rope, rope_cos_sin
 
 
 @dataclass
@@ -146,26 +146,13 @@ class _Attention(nn.Module):
         return self.o_proj(out.transpose(1, 2).reshape(b, q_len, self.heads * self.head_dim))
 
 
-class _MLP(nn.Module):
-    def __init__(self, cfg: DFlashConfig):
-        super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
-        self.act = {"silu": F.silu, "gelu": F.gelu,
-                    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}[cfg.hidden_act]
-
-    def forward(self, x):
-        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
-
-
 class _Layer(nn.Module):
     def __init__(self, cfg: DFlashConfig):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = _Attention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = _MLP(cfg)
+        self.mlp = MLP(cfg)  # EAGLE-3's: the same keys and activations
 
     def forward(self, h, cos, sin, ctx_k, ctx_v, attention_mask):
         h = h + self.self_attn(self.input_layernorm(h), cos, sin, ctx_k, ctx_v, attention_mask)

@@ -133,19 +133,24 @@ def launch_command(fmt: str, target: str, draft_dir: str) -> str:
     return f"vllm serve {target} --speculative-config '{spec}'"
 
 
+def provenance(meta: dict) -> str:
+    """The README paragraph naming the target a draft was trained for (every export's README has it)."""
+    ident = meta.get("target") or {}
+    return (f"Trained by eyas for the target **{ident.get('name', meta.get('target_model'))}** "
+            f"(target spec `{meta.get('target_model')}`, config hash `{ident.get('config_hash')}`, "
+            f"tokenizer hash `{ident.get('tokenizer_hash')}`). Serve it with exactly that target: "
+            f"a different model, even a fine-tune of it, gives a draft that is rarely accepted.")
+
+
 def readme(fmt: str, draft_dir: str, meta: dict, aux_written: list[int], dtype: str) -> str:
     target = serving_target(meta)
-    ident = meta.get("target") or {}
     engine = {"sglang": "SGLang", "vllm": "vLLM", "speculators": "vLLM (speculators format)"}[fmt]
     where = ("`eagle_config.eagle_aux_hidden_state_layer_ids` (SGLang convention: HF index - 1)" if fmt == "sglang"
              else "top-level `eagle_aux_hidden_state_layer_ids` (HF `output_hidden_states` convention)")
     lines = [
         f"# EAGLE-3 draft for {engine}",
         "",
-        f"Trained by eyas for the target **{ident.get('name', meta.get('target_model'))}** "
-        f"(target spec `{meta.get('target_model')}`, config hash `{ident.get('config_hash')}`, "
-        f"tokenizer hash `{ident.get('tokenizer_hash')}`). Serve it with exactly that target: "
-        f"a different model, even a fine-tune of it, gives a draft that is rarely accepted.",
+        provenance(meta),
         "",
         f"- aux layers (HF convention): {meta['aux_layers']}; written as {aux_written} in {where}",
         f"- draft vocabulary: {meta['draft_config']['draft_vocab_size']} of {meta['draft_config']['vocab_size']} "

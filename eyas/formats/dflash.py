@@ -19,7 +19,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from eyas.common import EyasError
-from eyas.formats.configs import TORCH_DTYPE_NAMES, llama_layer_config, serving_target
+from eyas.formats.configs import TORCH_DTYPE_NAMES, llama_layer_config, provenance, serving_target
 
 ARCHITECTURE = "DFlashDraftModel"
 FORMATS = ("sglang", "vllm")  # the exports a DFlash draft has; speculators' DFlash layout is not written
@@ -91,7 +91,7 @@ def launch_command(fmt: str, target: str, draft_dir: str, block_size: int) -> st
 
 
 def readme(fmt: str, draft_dir: str, meta: dict, dtype: str) -> str:
-    dc, ident = meta["draft_config"], meta.get("target") or {}
+    dc = meta["draft_config"]
     block = int(dc["block_size"])
     engine = {"sglang": "SGLang", "vllm": "vLLM"}[fmt]
     where = ("vLLM needs an attention backend with non-causal support (FLASH_ATTN; FLEX_ATTENTION in newer "
@@ -100,10 +100,7 @@ def readme(fmt: str, draft_dir: str, meta: dict, dtype: str) -> str:
     lines = [
         f"# DFlash draft for {engine}",
         "",
-        f"Trained by eyas for the target **{ident.get('name', meta.get('target_model'))}** "
-        f"(target spec `{meta.get('target_model')}`, config hash `{ident.get('config_hash')}`, "
-        f"tokenizer hash `{ident.get('tokenizer_hash')}`). Serve it with exactly that target: "
-        f"a different model, even a fine-tune of it, gives a draft that is rarely accepted.",
+        provenance(meta),
         "",
         f"- target layers (HF `hidden_states` index): {meta['aux_layers']}; written as "
         f"`dflash_config.target_layer_ids` {to_dflash_ids(meta['aux_layers'])} (0-based decoder layers, HF - 1) "
