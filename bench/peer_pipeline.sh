@@ -7,8 +7,9 @@
 #   env: W (work dir, default ~/peer-work), SF (folder holding specforge and its missing dependencies,
 #        bench/peer_specforge.py --specforge-path), PY (python, default python3), EVX (extra eval arguments)
 #
-# Both trainers get the same objective (the SpecForge-fixed knobs set on the eyas side). Timestamps of each
-# phase go to W/times.txt, each command's output to W/<phase>.log.
+# Both trainers get the same objective (the SpecForge-fixed knobs set on the eyas side) and the same samples (eyas's
+# held-out ones stay out of both); both drafts are then scored on those held-out samples by eyas. Timestamps of
+# each phase go to W/times.txt, each command's output to W/<phase>.log.
 CONFIG=${1:-full}; SELF=${2:-6000}; EPOCHS=${3:-2}; LIMIT=${4:-0}; SF=${SF:?set SF to the folder holding specforge and its missing dependencies}
 W=${W:-$HOME/peer-work}; mkdir -p $W; cd "${REPO:-$(dirname "$0")/..}"
 PY=${PY:-python3}
@@ -25,11 +26,25 @@ t converted
 STEPS=$($PY -c "import json;print(json.load(open('$W/peer/peer.json'))['plan']['steps'])")
 t steps=$STEPS
 ( $PY -m eyas train --config $CONFIG $MATCH --store $W/store --out $W/eyas-run --steps $STEPS > $W/eyas-train.log 2>&1; t eyas-trained-rc$?
-  $PY -m eyas eval $EV --draft $W/eyas-run --tree 16,6,80 --out-dir $W/eval-eyas > $W/eval-eyas.log 2>&1 & 
-  $PY -m eyas eval $EV --draft $W/eyas-run --tree 16,6,80 --set target.dtype=fp32 --out-dir $W/eval-eyas-fp32 > $W/eval-eyas-fp32.log 2>&1; t eval-eyas-fp32-rc$?
-  wait; t eval-eyas-done ) &
-( $PY bench/peer_specforge.py --store $W/store --out $W/peer --config $CONFIG $MATCH --specforge-path $SF --stage train > $W/sf-train.log 2>&1; t sf-trained-rc$?
+  touch $W/.eyas-trained
+  $PY -m eyas eval $EV --draft $W/eyas-run --tree 16,6,80 --out-dir $W/eval-eyas > $W/eval-eyas.log 2>&1; t eval-eyas-rc$? ) &
+( while [ ! -f $W/.eyas-trained ]; do sleep 5; done  # fp32: plain decoding is the reference, every turn must equal it
+  $PY -m eyas eval $EV --draft $W/eyas-run --steps 3 --tree 16,6,80 --set target.dtype=fp32 --out-dir $W/eval-eyas-fp32 \
+    > $W/eval-eyas-fp32.log 2>&1; t eval-eyas-fp32-rc$? ) &
+( $PY bench/peer_specforge.py --store $W/store --out $W/peer --config $CONFIG $MATCH --specforge-path $SF --stage train > $W/sf-train.log 2>&1; rc=$?; t sf-trained-rc$rc
+  if [ $rc != 0 ] && grep -q flex_attention $W/peer/specforge.yaml; then  # once more with SDPA attention
+    sed -i 's/flex_attention/sdpa/' $W/peer/specforge.yaml
+    $PY bench/peer_specforge.py --store $W/store --out $W/peer --config $CONFIG $MATCH --specforge-path $SF --stage train > $W/sf-train-sdpa.log 2>&1; t sf-trained-sdpa-rc$?
+  fi
   $PY bench/peer_specforge.py --store $W/store --out $W/peer --config $CONFIG $MATCH --specforge-path $SF --stage export > $W/sf-export.log 2>&1; t sf-exported-rc$?
+  touch $W/.sf-exported
   $PY -m eyas eval $EV --draft $W/peer/draft --tree 16,6,80 --out-dir $W/eval-sf > $W/eval-sf.log 2>&1; t eval-sf-rc$? ) &
+( while [ ! -f $W/.eyas-trained ] || [ ! -f $W/.sf-exported ]; do sleep 5; done
+  # both drafts scored on eyas's held-out samples by one command: a training step at lr 1e-12 reports them
+  for d in eyas:$W/eyas-run sf:$W/peer/draft; do
+    $PY -m eyas train --config $CONFIG $MATCH --store $W/store --out $W/score-${d%%:*} --set train.init_from=${d#*:} \
+      --steps 1 --set train.lr=1e-12 --set train.warmup_steps=0 --set train.val_every=1 --set train.compile=false \
+      --set train.compile_loss=false > $W/score-${d%%:*}.log 2>&1; t scored-${d%%:*}-rc$?
+  done ) &
 wait
 t ALL-DONE

@@ -72,13 +72,14 @@ SPECFORGE_FIXED = {
 
 # ---------------------------------------------------------------- convert
 
-def write_features(store, out: Path, max_len: int) -> dict:
-    """One SpecForge offline file per store sample; returns {num_samples, num_tokens, longest, lengths}."""
+def write_features(store, out: Path, max_len: int, indices: list[int]) -> dict:
+    """One SpecForge offline file per store sample of `indices` (eyas's training samples: its held-out ones stay
+    out of both trainers); returns {num_samples, num_tokens, longest, lengths}."""
     out.mkdir(parents=True, exist_ok=True)
     for stale in out.glob("*.ckpt"):  # SpecForge reads every file in the folder
         stale.unlink()
     lengths = []
-    for i in range(len(store)):
+    for i in indices:
         s = store[i]
         t = min(len(s["input_ids"]), max_len)
         record = {
@@ -204,6 +205,7 @@ def convert(args, cfg) -> list[tuple]:
 
     from eyas.data.vocab import load_vocab
     from eyas.store.reader import StoreReader
+    from eyas.train.source import held_out_split
 
     out = Path(args.out)
     store = StoreReader(args.store, dtype=torch.bfloat16)  # SpecForge's target head is bf16 always
@@ -218,7 +220,8 @@ def convert(args, cfg) -> list[tuple]:
     if need > 0.95 * free:
         raise SystemExit(f"SpecForge's copy of the store needs about {need / 2**30:.1f} GiB, {out} has "
                          f"{free / 2**30:.1f} GiB free")
-    stats = write_features(store, out / "features", cfg.train.batch_tokens)
+    train_idx, held = held_out_split(len(store), cfg.train.val_samples, cfg.train.seed)
+    stats = write_features(store, out / "features", cfg.train.batch_tokens, train_idx)
     plan = plan_batches(stats.pop("lengths"), cfg.train.batch_tokens, cfg.train.grad_accum, cfg.train.epochs,
                         cfg.train.steps, cfg.train.seed)
     write_target(Path(args.store), manifest, out / "target")
@@ -227,9 +230,10 @@ def convert(args, cfg) -> list[tuple]:
     doc, knobs = run_config(cfg, out, plan, stats, args.device)
     (out / "specforge.yaml").write_text(yaml.safe_dump(doc, sort_keys=False))
     (out / "peer.json").write_text(json.dumps({"store": str(Path(args.store).resolve()), "plan": plan,
-                                               "features": stats, "aux_layers": manifest["aux_layers"],
+                                               "features": stats, "held_out": held, "aux_layers": manifest["aux_layers"],
                                                "knobs": [list(map(str, k)) for k in knobs]}, indent=1))
-    print(f"converted {stats['num_samples']} samples ({stats['num_tokens']:,} tokens) -> {out / 'features'}")
+    print(f"converted {stats['num_samples']} samples ({stats['num_tokens']:,} tokens) -> {out / 'features'}; "
+          f"{len(held)} held out as eyas holds them out (train.val_samples)")
     return knobs
 
 

@@ -21,6 +21,17 @@ from eyas.common import EyasError, warn
 from eyas.train.data import Batcher, TailBatcher
 
 
+def held_out_split(n: int, val_samples: int, seed: int) -> tuple[list[int], list[int]]:
+    """(training indices, held-out indices) of n samples: `val_samples` drawn with `seed`. Anything that trains on
+    the same store beside eyas (bench/peer_specforge.py) leaves out the same samples through this function."""
+    if val_samples > n // 2:
+        raise EyasError(f"train.val_samples={val_samples} would hold out more than half of the {n} training "
+                        f"samples; lower it (about 2 % of the data is usual) or set it to 0")
+    held = sorted(random.Random(f"held-out {seed}").sample(range(n), val_samples))
+    chosen = set(held)
+    return [i for i in range(n) if i not in chosen], held
+
+
 @dataclass
 class TrainSource:
     samples: object  # map-style: len() and [i] -> sample dict
@@ -56,13 +67,7 @@ class TrainSource:
 
     def held_out_split(self, val_samples: int, seed: int) -> tuple[list[int], list[int]]:
         """(training indices, held-out indices): `val_samples` drawn with `seed`, the same on every rank."""
-        n = len(self.lengths)
-        if val_samples > n // 2:
-            raise EyasError(f"train.val_samples={val_samples} would hold out more than half of the {n} training "
-                            f"samples; lower it (about 2 % of the data is usual) or set it to 0")
-        held = sorted(random.Random(f"held-out {seed}").sample(range(n), val_samples))
-        chosen = set(held)
-        return [i for i in range(n) if i not in chosen], held
+        return held_out_split(len(self.lengths), val_samples, seed)
 
     def batchers(self, batch_tokens: int, seed: int, rank: int = 0, world_size: int = 1,
                  val_samples: int = 0) -> tuple[Batcher | TailBatcher, Batcher | None]:
