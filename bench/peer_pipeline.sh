@@ -17,9 +17,10 @@ t() { echo "$(date +%s) $(date +%T) $*" >> $W/times.txt; }
 MATCH="--set train.min_lr_ratio=0 --set train.loss_mask_token=position --set train.loss_norm=all --set train.mask_oov_target=true --set train.epochs=$EPOCHS"
 EV="--config $CONFIG --bench mt-bench --bench humaneval --limit $LIMIT --no-hf-baseline ${EVX:-}"
 t start
-$PY -m eyas prepare --config $CONFIG --set data.self_prompts=$SELF --out $W/prep > $W/prepare.log 2>&1 || { t prepare-FAILED; exit 1; }
+# a rerun in the same W keeps a finished prepare and capture
+[ -f $W/.prepared ] || { $PY -m eyas prepare --config $CONFIG --set data.self_prompts=$SELF --out $W/prep > $W/prepare.log 2>&1 || { t prepare-FAILED; exit 1; }; touch $W/.prepared; }
 t prepared
-$PY -m eyas capture --config $CONFIG --data $W/prep --out $W/store > $W/capture.log 2>&1 || { t capture-FAILED; exit 1; }
+[ -f $W/.captured ] || { $PY -m eyas capture --config $CONFIG --data $W/prep --out $W/store > $W/capture.log 2>&1 || { t capture-FAILED; exit 1; }; touch $W/.captured; }
 t captured
 $PY bench/peer_specforge.py --store $W/store --out $W/peer --config $CONFIG $MATCH --specforge-path $SF --stage convert > $W/convert.log 2>&1 || { t convert-FAILED; exit 1; }
 t converted
@@ -29,7 +30,7 @@ t steps=$STEPS
   touch $W/.eyas-trained
   $PY -m eyas eval $EV --draft $W/eyas-run --tree 16,6,80 --out-dir $W/eval-eyas > $W/eval-eyas.log 2>&1; t eval-eyas-rc$? ) &
 ( while [ ! -f $W/.eyas-trained ]; do sleep 5; done  # fp32: plain decoding is the reference, every turn must equal it
-  $PY -m eyas eval $EV --draft $W/eyas-run --steps 3 --tree 16,6,80 --set target.dtype=fp32 --out-dir $W/eval-eyas-fp32 \
+  $PY -m eyas eval $EV --draft $W/eyas-run ${FP32_CHAIN---steps 3} --tree 16,6,80 --set target.dtype=fp32 --out-dir $W/eval-eyas-fp32 \
     > $W/eval-eyas-fp32.log 2>&1; t eval-eyas-fp32-rc$? ) &
 ( $PY bench/peer_specforge.py --store $W/store --out $W/peer --config $CONFIG $MATCH --specforge-path $SF --stage train > $W/sf-train.log 2>&1; rc=$?; t sf-trained-rc$rc
   if [ $rc != 0 ] && grep -q flex_attention $W/peer/specforge.yaml; then  # once more with SDPA attention

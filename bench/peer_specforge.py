@@ -85,8 +85,9 @@ def write_features(store, out: Path, max_len: int, indices: list[int]) -> dict:
         record = {
             "input_ids": s["input_ids"][:t].clone(),  # [T]
             "loss_mask": s["loss_mask"][:t].clone(),  # [T]
-            "hidden_state": s["final_hidden"][:t].unsqueeze(0).contiguous(),  # [1, T, H]
-            "aux_hidden_state": s["aux_hidden"][:t].unsqueeze(0).contiguous(),  # [1, T, A*H]
+            # clone: a slice is a view of the whole shard, and torch.save writes a view's entire storage
+            "hidden_state": s["final_hidden"][:t].unsqueeze(0).clone(),  # [1, T, H]
+            "aux_hidden_state": s["aux_hidden"][:t].unsqueeze(0).clone(),  # [1, T, A*H]
         }
         torch.save(record, out / f"{i:08d}.ckpt")
         lengths.append(t)
