@@ -5,7 +5,8 @@
 #
 #   bash bench/peer_pipeline.sh [CONFIG=full] [SELF_PROMPTS=6000] [EPOCHS=2] [LIMIT=0]
 #   env: W (work dir, default ~/peer-work), SF (folder holding specforge and its missing dependencies,
-#        bench/peer_specforge.py --specforge-path), PY (python, default python3), EVX (extra eval arguments)
+#        bench/peer_specforge.py --specforge-path), PY (python, default python3), EVX (extra eval arguments),
+#        FP32_CHAIN (the fp32 eval's chain, default --steps 3; set it empty for the tree alone)
 #
 # Both trainers get the same objective (the SpecForge-fixed knobs set on the eyas side) and the same samples (eyas's
 # held-out ones stay out of both); both drafts are then scored on those held-out samples by eyas. Timestamps of
