@@ -29,7 +29,7 @@ def test_features_are_specforge_offline_records(tmp_path):
     samples = [{"input_ids": torch.randint(0, 320, (t,)), "loss_mask": (torch.arange(t) > 2).long(),
                 "aux_hidden": torch.randn(t, 3 * 64, dtype=torch.bfloat16),
                 "final_hidden": torch.randn(t, 64, dtype=torch.bfloat16)} for t in (5, 9, 12)]
-    stats = peer.write_features(samples, tmp_path, max_len=10)
+    stats = peer.write_features(samples, tmp_path, max_len=10, indices=[0, 1, 2])
     assert stats == {"num_samples": 3, "num_tokens": 5 + 9 + 10, "longest": 10, "lengths": [5, 9, 10]}
     files = sorted(tmp_path.glob("*.ckpt"))
     assert [f.name for f in files] == ["00000000.ckpt", "00000001.ckpt", "00000002.ckpt"]
@@ -44,9 +44,10 @@ def test_features_are_specforge_offline_records(tmp_path):
         assert torch.equal(rec["aux_hidden_state"][0], s["aux_hidden"][:t])
     plan = peer.plan_batches(stats["lengths"], batch_tokens=20, grad_accum=1, epochs=2.0, steps=0, seed=0)
     assert plan["tokens_per_epoch"] == 24 and plan["steps"] == 2 * plan["batches_per_epoch"]
-    # a second conversion into the same folder leaves no file of the first behind
-    assert peer.write_features(samples[:1], tmp_path, max_len=10)["num_samples"] == 1
-    assert len(list(tmp_path.glob("*.ckpt"))) == 1
+    # a second conversion into the same folder leaves no file of the first behind, and writes only the
+    # samples asked for (eyas's held-out ones stay out of SpecForge's training set)
+    assert peer.write_features(samples, tmp_path, max_len=10, indices=[2, 0])["num_samples"] == 2
+    assert sorted(f.name for f in tmp_path.glob("*.ckpt")) == ["00000000.ckpt", "00000002.ckpt"]
 
 
 def test_draft_config_is_the_targets_shape_with_sglang_aux_ids():
