@@ -76,7 +76,7 @@ class ServingEngine:
     counters per call. A context manager: leaving it shuts the engine down."""
 
     def __init__(self, model_dir: str, *, dtype: str, engine: dict, draft_dir=None, k: int = 0):
-        from eyas.target.vllm.engine import _cpu_thread_binding, cpu_rope_fix, on_cpu, require_vllm
+        from eyas.target.vllm.engine import _cpu_thread_binding, cpu_fixes, on_cpu, require_vllm
 
         vllm = require_vllm()
         self.k = k
@@ -84,7 +84,7 @@ class ServingEngine:
         try:
             with _cpu_thread_binding(engine):
                 kwargs = engine_kwargs(model_dir, dtype, engine, draft_dir, k)
-                self.llm = vllm.LLM(**(cpu_rope_fix(kwargs) if on_cpu() else kwargs))
+                self.llm = vllm.LLM(**(cpu_fixes(kwargs) if on_cpu() else kwargs))
         except Exception as e:  # noqa: BLE001 - vLLM reports bad arguments with many types
             text = str(e).strip().splitlines()
             what = f"the draft {draft_dir} (k={k})" if draft_dir else "no draft"

@@ -2,11 +2,12 @@
 
 import builtins
 import importlib.util
+import json
 
 import pytest
 
 from eyas.common import EyasError
-from eyas.target.vllm.engine import cpu_rope_fix, engine_kwargs, engine_layer_ids, require_vllm
+from eyas.target.vllm.engine import cpu_mla_fp32_fix, cpu_rope_fix, engine_kwargs, engine_layer_ids, require_vllm
 
 
 def test_layer_ids_are_hf_ids_plus_the_last_layer():
@@ -78,3 +79,17 @@ def test_cpu_rope_fix_selects_the_pytorch_rope_unless_the_user_chose():
     assert cpu_rope_fix({"model": "m"})["compilation_config"] == {"custom_ops": ["-rotary_embedding"]}
     mine = {"model": "m", "compilation_config": {"custom_ops": ["+rotary_embedding"]}}
     assert cpu_rope_fix(mine) == mine  # the user named the op: left as given
+
+
+def test_an_fp32_mla_engine_gets_the_reference_cpu_mla_backend(tmp_path):
+    mla, gqa = tmp_path / "mla", tmp_path / "gqa"
+    for d, cfg in ((mla, {"model_type": "deepseek_v3", "kv_lora_rank": 32}), (gqa, {"model_type": "llama"})):
+        d.mkdir()
+        (d / "config.json").write_text(json.dumps(cfg))
+    assert cpu_mla_fp32_fix({"model": str(mla), "dtype": "float32"})["attention_backend"] == "CPU_MLA"
+    for kw in ({"model": str(mla), "dtype": "bfloat16"},  # AMX MLA takes bf16
+               {"model": str(gqa), "dtype": "float32"},  # not MLA
+               {"model": str(mla), "dtype": "float32", "attention_backend": "AMX_MLA"},  # the user chose
+               {"model": str(mla), "dtype": "float32", "attention_config": {"backend": "AMX_MLA"}},
+               {"model": "org/hub-id", "dtype": "float32"}):  # no local config to read
+        assert cpu_mla_fp32_fix(kw) == kw

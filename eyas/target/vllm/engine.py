@@ -14,6 +14,7 @@ set here and a conflicting user value is refused.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import tempfile
 import time
@@ -107,6 +108,31 @@ def cpu_rope_fix(kwargs: dict) -> dict:
     return kwargs
 
 
+def cpu_mla_fp32_fix(kwargs: dict) -> dict:
+    """On an x86 CPU with AMX vLLM's CPU build picks its AMX MLA attention for every MLA model (DeepSeek-V3,
+    Kimi), whose weight packing takes bf16, fp16, int8 or fp8 only: an fp32 engine fails to start ("expect
+    weight to be bfloat16, ..."). Its reference CPU MLA backend runs fp32; an fp32 MLA engine gets it unless
+    the user's engine arguments name an attention backend."""
+    if str(kwargs.get("dtype", "")).lower() not in ("float32", "fp32", "float"):
+        return kwargs
+    config = Path(str(kwargs.get("model", ""))) / "config.json"
+    try:
+        mla = "kv_lora_rank" in json.loads(config.read_text())
+    except (OSError, ValueError):
+        return kwargs  # a hub id or an unreadable config: vLLM's own choice
+    attention = kwargs.get("attention_config") or {}
+    named = kwargs.get("attention_backend") or (attention.get("backend") if isinstance(attention, dict) else
+                                                getattr(attention, "backend", None))
+    if mla and not named:
+        kwargs = {**kwargs, "attention_backend": "CPU_MLA"}
+    return kwargs
+
+
+def cpu_fixes(kwargs: dict) -> dict:
+    """Every CPU-build workaround above, applied to `vllm.LLM`'s keyword arguments."""
+    return cpu_mla_fp32_fix(cpu_rope_fix(kwargs))
+
+
 def on_cpu() -> bool:
     from vllm.platforms import current_platform
 
@@ -175,7 +201,7 @@ class ExtractionEngine:
         self.states_dir.mkdir(parents=True, exist_ok=True)
         kwargs = engine_kwargs(str(model_dir), self.layer_ids, str(self.states_dir), dtype, engine, trust_remote_code)
         if on_cpu():
-            kwargs = cpu_rope_fix(kwargs)
+            kwargs = cpu_fixes(kwargs)
         t0 = time.perf_counter()
         try:
             with _cpu_thread_binding(engine):
