@@ -12,10 +12,10 @@
     RUN/processes.json     every stage process the runner started (pid, start time, devices)
     RUN/logs/<stage>.log   each stage's output
     RUN/report.md          the run report
-    RUN/.runner.lock       held by the one runner working in RUN
+    RUN/.runner.lock       held by the one runner working in RUN (gone when it ends)
     RUN/.engine.sock       the run's vLLM engine (target.backend=vllm) while it serves (+ .key, its key)
     RUN/.eyas.json         the marker of a directory eyas made; each stage's output carries one too (eyas.ownership)
-    RUN/.<output>.eyas.lock  held by the one process writing that stage output
+    RUN/.<output>.eyas.lock  held by the one process writing that stage output (gone when it ends)
 """
 
 from __future__ import annotations

@@ -5,8 +5,9 @@ a training run, eval results, an export) carries MARKER, a small JSON file namin
 the marker's format version, the run (or command invocation) that made it and when. A directory without
 it is the user's: eyas never writes into it unless it is empty, and never adopts, moves, replaces or
 removes it. A writer holds an exclusive lock beside its output (`lock_file`) for as long as it writes; the
-lock is released with the process, even on kill -9, and records the holder's pid for the message a second
-writer gets.
+lock is released with the process, even on kill -9, records the holder's pid for the message a second
+writer gets, and its file is removed when the writer ends. A stage that fails before writing anything leaves no
+directory behind.
 """
 
 from __future__ import annotations
@@ -126,27 +127,48 @@ def lock_file(out: str | os.PathLike) -> Path:
 @contextlib.contextmanager
 def exclusive(path: str | os.PathLike, what: str, fix: str = "") -> Iterator[None]:
     """An exclusive advisory lock on the file `path` for the block, released with the process even on kill -9.
-    Held elsewhere: EyasError "<what> is in use by another process (pid N)[; fix]", at once."""
+    Held elsewhere: EyasError "<what> is in use by another process (pid N)[; fix]", at once. The lock file is
+    removed when the block ends (while still held; a process that opened it before then finds its file gone
+    from `path` once it gets the lock, and opens `path` afresh), so that no lock files pile up beside outputs."""
     import fcntl
 
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-    with os.fdopen(fd, "r+") as f:
+    while True:
+        f = os.fdopen(os.open(path, os.O_RDWR | os.O_CREAT, 0o644), "r+")
         try:
             fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             holder = f.read(32).strip()
+            f.close()
             holder = holder if holder.isdigit() else "unknown"
             raise EyasError(f"{what} is in use by another process (pid {holder})" + (f"; {fix}" if fix else "")) \
                 from None
+        if _same_file(path, f):
+            break
+        f.close()  # its holder removed it as we took it: the lock is now a new file at `path`
+    with f:
         mine = f"{os.getpid()}\n"
-        if f.read(32) != mine:  # written only when it changes: a refused run leaves its directory as it was
+        if f.read(32) != mine:
             f.seek(0)
             f.truncate()
             f.write(mine)
             f.flush()
-        yield
+        try:
+            yield
+        finally:
+            if _same_file(path, f):
+                with contextlib.suppress(OSError):
+                    path.unlink()
+
+
+def _same_file(path: Path, f) -> bool:
+    """Is the open file `f` still the file at `path`?"""
+    try:
+        here, held = os.stat(path), os.fstat(f.fileno())
+    except OSError:
+        return False
+    return (here.st_dev, here.st_ino) == (held.st_dev, held.st_ino)
 
 
 @contextlib.contextmanager
@@ -159,5 +181,25 @@ def writing(out: str | os.PathLike, kind: str, *, lead: bool = True, run_id: str
         yield p
         return
     with exclusive(lock_file(p), str(p), fix="wait for it to finish, or choose another --out"):
+        existed, had_marker = p.is_dir(), read_marker(p) is not None
         claim(p, kind, run_id)
-        yield p
+        try:
+            yield p
+        except BaseException:
+            _unclaim_if_untouched(p, existed, had_marker)
+            raise
+
+
+def _unclaim_if_untouched(p: Path, existed: bool, had_marker: bool) -> None:
+    """After a failed block: a directory this block claimed that holds nothing but the marker goes back to
+    what it was (removed if the block created it, its marker removed if it was an empty directory)."""
+    if had_marker:
+        return
+    try:
+        if [e.name for e in p.iterdir()] != [MARKER]:
+            return
+        (p / MARKER).unlink()
+        if not existed:
+            p.rmdir()
+    except OSError:
+        pass

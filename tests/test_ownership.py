@@ -14,7 +14,7 @@ from types import SimpleNamespace
 import pytest
 
 from eyas.common import EyasError
-from eyas.ownership import MARKER, check_output_path, claim, exclusive, lock_file, owned, read_marker
+from eyas.ownership import MARKER, check_output_path, claim, exclusive, lock_file, owned, read_marker, writing
 
 
 def tree(path: Path) -> dict[str, bytes]:
@@ -99,6 +99,75 @@ def test_a_second_writer_is_refused_at_once_with_the_holder_pid(tmp_path, holder
     with pytest.raises(EyasError, match=rf"^out is in use by another process \(pid {pid}\); wait$"):
         with exclusive(lock, "out", fix="wait"):
             pass
+
+
+def test_a_lock_file_is_gone_when_its_writer_ends_and_a_refused_writer_leaves_it(tmp_path, holder):
+    lock = tmp_path / ".out.eyas.lock"
+    with exclusive(lock, "out"):
+        assert lock.read_text() == f"{os.getpid()}\n"
+    assert not lock.exists()
+    with pytest.raises(RuntimeError):
+        with exclusive(lock, "out"):
+            raise RuntimeError("the block failed")
+    assert not lock.exists()
+    pid = holder(lock)
+    with pytest.raises(EyasError, match=rf"pid {pid}"):
+        with exclusive(lock, "out"):
+            pass
+    assert lock.read_text() == f"{pid}\n"  # the holder's lock, untouched
+
+
+def test_a_lock_taken_from_a_removed_file_is_taken_again_on_the_new_one(tmp_path):
+    """A writer that opened the lock file just before its holder removed it must not lock the removed file
+    (a third process would then lock a new one beside it): it finds the file gone and opens the path again."""
+    lock = tmp_path / ".out.eyas.lock"
+    lock.write_text("1\n")
+    stale = os.open(lock, os.O_RDWR)  # what a second writer had opened before the holder removed the file
+    lock.unlink()
+    lock.write_text("")
+    try:
+        real_open = os.open
+        opened = []
+
+        def open_then_swap(path, *a):
+            fd = real_open(path, *a)
+            if not opened:  # the first open finds the stale file, as the race would
+                opened.append(fd)
+                os.close(fd)
+                return os.dup(stale)
+            return fd
+
+        os.open = open_then_swap
+        try:
+            with exclusive(lock, "out"):
+                os.open = real_open
+                assert lock.read_text() == f"{os.getpid()}\n"  # it holds the file at the path, not the stale one
+        finally:
+            os.open = real_open
+    finally:
+        os.close(stale)
+    assert not lock.exists()
+
+
+@pytest.mark.parametrize("before", ["absent", "empty", "eyas's", "written"])
+def test_a_stage_that_fails_before_writing_leaves_its_output_as_it_was(tmp_path, before):
+    out = tmp_path / "out"
+    if before == "empty":
+        out.mkdir()
+    elif before == "eyas's":
+        claim(out, "prepare")
+    was = tree(out) if out.exists() else None
+    with pytest.raises(EyasError, match="bad input"):
+        with writing(out, "prepare") as p:
+            if before == "written":
+                (p / "part.txt").write_text("kept")
+            raise EyasError("bad input")
+    if before == "written":  # something was written: the marked directory stays, with it
+        assert owned(out, "prepare") and (out / "part.txt").read_text() == "kept"
+    else:
+        assert (tree(out) if out.exists() else None) == was
+        assert out.exists() == (before != "absent")
+    assert not lock_file(out).exists()
 
 
 def test_a_capture_into_a_store_in_use_stops_naming_the_holder(tmp_path, holder):
