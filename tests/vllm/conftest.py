@@ -1,7 +1,9 @@
-"""The vLLM backend's tests. Each module starts at most one engine (module-scoped fixtures): a start takes
-17-41 s on two cores. Modules that start an engine skip themselves where vLLM cannot be imported (`make test`
-installs vLLM's CPU build)."""
+"""The vLLM backend's tests. An engine start takes 13-41 s on two cores: engines with the same arguments are
+started once per session (the fixtures below) and shared by the modules that ask; an engine whose own start,
+death or arguments are what a test checks is started by that test. Modules that start an engine skip themselves
+where vLLM cannot be imported (`make test` installs vLLM's CPU build)."""
 
+import contextlib
 import os
 
 import pytest
@@ -42,17 +44,67 @@ def tiny_deepseek_dir(tmp_path_factory):
     return tiny_deepseek_v3_dir(tmp_path_factory.mktemp("tiny-deepseek-v3"))
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def tiny_llama_target(tiny_llama_dir):
-    """The head_dim-32 tiny Llama loaded by eyas (fp32, CPU), once per module that asks."""
+    """The head_dim-32 tiny Llama loaded by eyas (fp32, CPU), once per session."""
     from eyas.target import load_target
 
     return load_target(str(tiny_llama_dir), device="cpu", dtype="fp32")
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def tiny_llama_draft(tiny_llama_target, tmp_path_factory):
-    """A draft trained for a few seconds on the tiny Llama (tests/vllm/tiny_draft.py): its training run dir."""
+    """A draft trained for a few seconds on the tiny Llama (tests/vllm/tiny_draft.py): its training run dir, once
+    per session (the training is deterministic: seed 0, fp32)."""
     from tiny_draft import train_tiny_draft
 
     return train_tiny_draft(tiny_llama_target, tmp_path_factory.mktemp("draft-run"))
+
+
+TINY_LLAMA_AUX = [1, 2]
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_features(tiny_llama_target, tmp_path_factory):
+    """One extraction engine on the tiny Llama (fp32, layers TINY_LLAMA_AUX, ENGINE) for the session, as a
+    VllmFeatures; shut down at the session's end."""
+    from eyas.target.vllm.capture import start_features
+
+    features = start_features(tiny_llama_target, TINY_LLAMA_AUX, engine=ENGINE,
+                              states_dir=tmp_path_factory.mktemp("tiny-llama-states"))
+    yield features
+    features.engine.close()
+
+
+@pytest.fixture(scope="session")
+def smollm2_features(smollm2, tmp_path_factory):
+    """One extraction engine on SmolLM2 (fp32, the EAGLE-3 default layers, ENGINE) for the session, as a
+    VllmFeatures; shut down at the session's end."""
+    from eyas.target.vllm.capture import start_features
+
+    features = start_features(smollm2, None, engine=ENGINE, states_dir=tmp_path_factory.mktemp("smollm2-states"))
+    yield features
+    features.engine.close()
+
+
+@contextlib.contextmanager
+def reusing(features):
+    """Within the block, a stage that would start its own extraction engine (`eyas.target.vllm.capture.extraction`)
+    gets `features` instead, once the arguments it asks for are checked to be those `features`' engine was started
+    with (the model directory, the layers, fp32, ENGINE). Yields the list of calls, which the caller asserts on."""
+    import eyas.target.vllm.capture as vllm_capture
+    from eyas.layers import resolve_aux_layers
+
+    calls = []
+
+    @contextlib.contextmanager
+    def extraction(target, aux_layers, *, dtype="auto", engine=None, states_dir=None):
+        asked = (vllm_capture.model_dir(target), [*resolve_aux_layers(aux_layers, target.num_layers),
+                                                  target.num_layers], dtype, engine)
+        assert asked == (vllm_capture.model_dir(features.target), features.engine.layer_ids, "fp32", ENGINE), asked
+        calls.append(states_dir)
+        yield features  # not shut down: the session's
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(vllm_capture, "extraction", extraction)
+        yield calls

@@ -2,23 +2,19 @@
 layer, fp32, at the EAGLE-3 default layers."""
 
 import torch
-from conftest import ENGINE, rel_err, require_vllm
+from conftest import rel_err, require_vllm
 
 from eyas.target.capture import FeatureCapture
 
 require_vllm()
 
 
-def test_smollm2_default_layers_match_transformers(smollm2, tmp_path):
-    from eyas.target.vllm.capture import start_features
-
+def test_smollm2_default_layers_match_transformers(smollm2, smollm2_features):
+    """The session's SmolLM2 engine (conftest.smollm2_features: start_features(smollm2, None, engine=ENGINE))."""
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(0, smollm2.vocab_size, (n,), generator=g).tolist() for n in (23, 64, 5)]
-    features = start_features(smollm2, None, engine=ENGINE, states_dir=tmp_path)
-    try:
-        got = features.capture(prompts)
-    finally:
-        features.engine.close()
+    features = smollm2_features
+    got = features.capture(prompts)
     assert features.aux_layers == [2, 15, 27] and not got.refused
     reference, h = FeatureCapture(smollm2, None), smollm2.hidden_size
     errors = []

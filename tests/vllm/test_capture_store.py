@@ -1,6 +1,7 @@
 """`eyas capture` with target.backend=vllm writes the same store as transformers: same layout and checks,
-`eyas verify` passes (it recomputes with transformers), a kill -9 mid-capture resumes to a complete store,
-and a sample the engine would refuse stops the capture before anything is written."""
+`eyas verify` passes (it recomputes with transformers), a kill -9 mid-capture resumes (starting its own
+engine) to a complete store, and a sample the engine would refuse stops the capture before anything is
+written."""
 
 import json
 import os
@@ -11,7 +12,7 @@ import time
 
 import pytest
 import torch
-from conftest import ENGINE, rel_err, require_vllm
+from conftest import ENGINE, rel_err, require_vllm, reusing
 
 from eyas.cli import main
 from eyas.common import EyasError
@@ -37,14 +38,18 @@ def prepared(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def stores(tiny_llama_dir, prepared, tmp_path_factory):
+def stores(tiny_llama_dir, prepared, tiny_llama_features, tmp_path_factory):
+    """The same capture through transformers and through vLLM: the vLLM one in the session's tiny-Llama engine
+    (the engine this config would start: checked by `reusing`); the resume below starts its own."""
     root = tmp_path_factory.mktemp("stores")
-    for backend in ("hf", "vllm"):
-        capture.run(load_config("tiny", _sets(tiny_llama_dir, backend)), capture.Inputs(prepared), root / backend)
+    capture.run(load_config("tiny", _sets(tiny_llama_dir, "hf")), capture.Inputs(prepared), root / "hf")
+    with reusing(tiny_llama_features) as calls:
+        capture.run(load_config("tiny", _sets(tiny_llama_dir, "vllm")), capture.Inputs(prepared), root / "vllm")
+    assert calls == [root / "vllm" / ".vllm-states"]
     return root
 
 
-def test_same_store_as_transformers_and_verify_passes(stores, capsys):
+def test_same_store_as_transformers_and_verify_passes(stores, tiny_llama_features, capsys):
     hf, vllm = StoreReader(stores / "hf"), StoreReader(stores / "vllm")
     assert len(hf) == len(vllm) == 300
     for i in range(0, 300, 37):
@@ -53,7 +58,7 @@ def test_same_store_as_transformers_and_verify_passes(stores, capsys):
         assert rel_err(b["aux_hidden"], a["aux_hidden"]) < 1e-5 and rel_err(b["final_hidden"], a["final_hidden"]) < 1e-5
     summary = json.loads((stores / "vllm" / "summary.json").read_text())
     assert summary["complete"] and summary["tokens_per_s"] > 0 and summary["nonfinite_samples"] == 0
-    assert not (stores / "vllm" / ".vllm-states").exists() or not any((stores / "vllm" / ".vllm-states").iterdir())
+    assert not any(tiny_llama_features.engine.states_dir.iterdir())  # every file the engine wrote read and deleted
     assert main(["verify", str(stores / "vllm"), "--samples", "4"]) == 0
     assert capsys.readouterr().out.rstrip().endswith("OK")
 
@@ -73,7 +78,9 @@ def test_kill_9_mid_capture_then_resume_completes(stores, tiny_llama_dir, prepar
         proc.wait()
     assert list(store.glob("shard-*.safetensors")), "the capture committed no shard before the deadline"
     assert not json.loads((store / "manifest.json").read_text())["complete"]
-    capture.run(load_config("tiny", _sets(tiny_llama_dir, "vllm")), capture.Inputs(prepared), store)
+    killed = {p.name for p in (store / ".vllm-states").iterdir()}  # what the killed engine left unread
+    capture.run(load_config("tiny", _sets(tiny_llama_dir, "vllm")), capture.Inputs(prepared), store)  # its own engine
+    assert {p.name for p in (store / ".vllm-states").iterdir()} <= killed  # the resume's files all read and deleted
     resumed, whole = StoreReader(store), StoreReader(stores / "vllm")
     assert len(resumed) == len(whole)
     for i in range(0, len(whole), 29):

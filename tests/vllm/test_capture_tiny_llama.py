@@ -1,31 +1,25 @@
-"""Capture through vLLM equals capture through transformers on a tiny random Llama (fp32, one engine)."""
+"""Capture through vLLM equals capture through transformers on a tiny random Llama (fp32, one engine: the
+session's, conftest.tiny_llama_features)."""
 
 import pytest
 import torch
-from conftest import ENGINE, rel_err, require_vllm
+from conftest import TINY_LLAMA_AUX as AUX
+from conftest import rel_err, require_vllm
 
 from eyas.common import EyasError
 from eyas.target.capture import FeatureCapture
 
 require_vllm()
 
-AUX = [1, 2]
+
+@pytest.fixture(scope="module")
+def target(tiny_llama_target):
+    return tiny_llama_target
 
 
 @pytest.fixture(scope="module")
-def target(tiny_llama_dir):
-    from eyas.target import load_target
-
-    return load_target(str(tiny_llama_dir), device="cpu", dtype="fp32")
-
-
-@pytest.fixture(scope="module")
-def features(target, tmp_path_factory):
-    from eyas.target.vllm.capture import start_features
-
-    features = start_features(target, AUX, engine=ENGINE, states_dir=tmp_path_factory.mktemp("states"))
-    yield features
-    features.engine.close()
+def features(tiny_llama_features):
+    return tiny_llama_features
 
 
 def _prompts(lengths, seed=0):

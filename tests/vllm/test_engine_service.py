@@ -12,7 +12,7 @@ import time
 
 import pytest
 import torch
-from conftest import rel_err, require_vllm
+from conftest import rel_err, require_vllm, reusing
 
 from eyas.cli import main
 from eyas.common import EyasError
@@ -91,7 +91,7 @@ def test_capture_asking_for_other_layers_is_refused(served, synthetic, tmp_path)
                     engine_socket=str(sock))
 
 
-def test_engine_killed_mid_capture_then_resume(served, synthetic, tmp_path):
+def test_engine_killed_mid_capture_then_resume(served, synthetic, smollm2, smollm2_features, tmp_path):
     """Last in the module: it ends the served engine."""
     sock, engine, root = served
     store = tmp_path / "store"
@@ -114,15 +114,17 @@ def test_engine_killed_mid_capture_then_resume(served, synthetic, tmp_path):
     committed = sorted(p.name for p in store.glob("shard-*.safetensors"))
     assert committed, "no shard was committed before the engine was killed"
 
-    # the same capture without the served engine starts its own and completes the store
-    summary = capture.run(_cfg("vllm", *more), capture.Inputs(synthetic), store)
+    # the same capture without the served engine takes an engine of its own (the session's SmolLM2 engine, the
+    # one this config would start: checked by `reusing`) and completes the store
+    with reusing(smollm2_features) as calls:
+        summary = capture.run(_cfg("vllm", *more), capture.Inputs(synthetic), store)
+    assert calls == [store / ".vllm-states"]
     assert summary["complete"]
     reader = StoreReader(store)
     assert len(reader) == 300
-    from eyas.target import load_target
     from eyas.target.capture import FeatureCapture
 
-    features = FeatureCapture(load_target("smollm2", device="cpu", dtype="fp32"), None)
+    features = FeatureCapture(smollm2, None)
     for i in (0, 150, 299):
         sample = reader[i]
         ids = sample["input_ids"][None]
