@@ -32,6 +32,7 @@ DRAFT_VOCAB = 1024
 STEPS = 20
 BASELINE_PROMPTS = 2  # the untrained draft (tau about 1, so one target pass per token) decodes only the first few
 SETTINGS = {"chain3": dict(steps=3), "tree2x3x6": dict(tree=(2, 3, 6))}
+INTRA_OP_THREADS = 2  # SmolLM2's matmuls share well over two cores (tests/speculative/conftest.py)
 
 
 @pytest.fixture(scope="module")
