@@ -108,3 +108,13 @@ def reusing(features):
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(vllm_capture, "extraction", extraction)
         yield calls
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_plain(tiny_llama_dir):
+    """One plain vLLM serving engine on the tiny Llama (fp32, ENGINE, no draft: `eyas eval --engine vllm`'s
+    baseline) for the session; shut down at the session's end."""
+    from eyas.stages.eval_vllm import ServingEngine
+
+    with ServingEngine(str(tiny_llama_dir), dtype="fp32", engine=ENGINE) as engine:
+        yield engine

@@ -2,7 +2,7 @@
 draft (exported for it on the fly), then a plain engine, and writes RESULT.json whose tau and acceptance by position
 are what eyas's own engine counts on the same prompt ids (vLLM's counters equal eyas's: test_exports_vllm.py),
 cycle by cycle per turn; the output equals plain decoding. One run of the command (two engines, batch size 2) for
-the module."""
+the module; its plain engine is the session's plain tiny-Llama engine, which test_exports_vllm.py shares."""
 
 import json
 
@@ -29,13 +29,31 @@ def _argv(tiny_llama_dir, draft, bench, *extra):
 
 
 @pytest.fixture(scope="module")
-def evaluated(tiny_llama_dir, tiny_llama_draft, tmp_path_factory):
+def evaluated(tiny_llama_dir, tiny_llama_draft, tiny_llama_plain, tmp_path_factory):
+    """The command's run; its plain engine is the session's (conftest.tiny_llama_plain), once the arguments it
+    asks for are checked to be that engine's; the engine with the draft it starts itself."""
+    import contextlib
+
+    import eyas.stages.eval_vllm as eval_vllm
+
     root = tmp_path_factory.mktemp("eval-vllm")
     bench = root / "prompts.jsonl"
     bench.write_text("".join(json.dumps(r) + "\n" for r in BENCH))
     out = root / "eval"
     argv = _argv(tiny_llama_dir, tiny_llama_draft, bench, "--steps", str(K), "--batch-size", "2", "--out-dir", str(out))
-    assert main(argv) == 0
+    started, real = [], eval_vllm.ServingEngine
+
+    def serving(model_dir, *, dtype, engine, draft_dir=None, k=0):
+        started.append(draft_dir)
+        if draft_dir is not None:
+            return real(model_dir, dtype=dtype, engine=engine, draft_dir=draft_dir, k=k)
+        assert (model_dir, dtype, engine) == (str(tiny_llama_dir), "fp32", ENGINE)
+        return contextlib.nullcontext(tiny_llama_plain)  # left running: the session's
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(eval_vllm, "ServingEngine", serving)
+        assert main(argv) == 0
+    assert len(started) == 2 and started[0] is not None and started[1] is None  # the draft's engine, then plain
     return out
 
 

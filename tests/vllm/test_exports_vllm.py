@@ -3,7 +3,7 @@
 fp32. Greedy output must be plain vLLM decoding's token for token, and vLLM's counters (drafts, accepted tokens,
 accepted per position) must equal what eyas's own engine counts on the same prompt ids, request by request (one
 request per generate call, counters read around it), and so must vLLM's per-request report, cycle by cycle.
-Engines start one after the other, each once."""
+The engines with a draft start one after the other, each once; the plain one is the session's."""
 
 import pytest
 from conftest import ENGINE, require_vllm
@@ -37,9 +37,12 @@ def eyas_counts(tiny_llama_target, tiny_llama_draft, prompts):
 
 
 @pytest.fixture(scope="module")
-def served(tiny_llama_dir, tiny_llama_target, tiny_llama_draft, prompts, tmp_path_factory):
+def served(tiny_llama_dir, tiny_llama_target, tiny_llama_draft, tiny_llama_plain, prompts, tmp_path_factory):
     """{"plain" | format: [per request {"tokens", "drafts", "accepted", "per_position" (vLLM's counters over the
-    call), "per_cycle" (its per-request report)}]} from vLLM, one engine at a time, one request per generate call."""
+    call), "per_cycle" (its per-request report)}]} from vLLM, one request per generate call: plain decoding in the
+    session's plain engine (conftest.tiny_llama_plain), each format in an engine of its own, one at a time."""
+    import contextlib
+
     from eyas.formats import export
     from eyas.stages.eval_vllm import ServingEngine, sampling
 
@@ -47,7 +50,9 @@ def served(tiny_llama_dir, tiny_llama_target, tiny_llama_draft, prompts, tmp_pat
     params = sampling(0.0, NEW, eos_ids(tiny_llama_target))
     out = {}
     for name, draft_dir in [("plain", None), *exports.items()]:
-        with ServingEngine(str(tiny_llama_dir), dtype="fp32", engine=ENGINE, draft_dir=draft_dir, k=K) as engine:
+        started = (contextlib.nullcontext(tiny_llama_plain) if draft_dir is None else
+                   ServingEngine(str(tiny_llama_dir), dtype="fp32", engine=ENGINE, draft_dir=draft_dir, k=K))
+        with started as engine:
             out[name] = []
             for ids in prompts:
                 (output,), _, counts = engine.generate([ids], params)
