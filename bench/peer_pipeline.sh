@@ -6,7 +6,9 @@
 #   bash bench/peer_pipeline.sh [CONFIG=full] [SELF_PROMPTS=6000] [EPOCHS=2] [LIMIT=0]
 #   env: W (work dir, default ~/peer-work), SF (folder holding specforge and its missing dependencies,
 #        bench/peer_specforge.py --specforge-path), PY (python, default python3), EVX (extra eval arguments),
-#        FP32_CHAIN (the fp32 eval's chain, default --steps 3; set it empty for the tree alone)
+#        FP32_CHAIN (the fp32 eval's chain, default --steps 3; set it empty for the tree alone),
+#        FP32=0 (no fp32 eval: where the target already runs in fp32, as on the CPU),
+#        XSET (more --set KEY=VALUE for every stage and both trainers, e.g. "--set train.val_samples=40")
 #
 # Both trainers get the same objective (the SpecForge-fixed knobs set on the eyas side) and the same samples (eyas's
 # held-out ones stay out of both); both drafts are then scored on those held-out samples by eyas. Timestamps of
@@ -15,13 +17,13 @@ CONFIG=${1:-full}; SELF=${2:-6000}; EPOCHS=${3:-2}; LIMIT=${4:-0}; SF=${SF:?set 
 W=${W:-$HOME/peer-work}; mkdir -p $W; cd "${REPO:-$(dirname "$0")/..}"
 PY=${PY:-python3}
 t() { echo "$(date +%s) $(date +%T) $*" >> $W/times.txt; }
-MATCH="--set train.min_lr_ratio=0 --set train.loss_mask_token=position --set train.loss_norm=all --set train.mask_oov_target=true --set train.epochs=$EPOCHS"
-EV="--config $CONFIG --bench mt-bench --bench humaneval --limit $LIMIT --no-hf-baseline ${EVX:-}"
+MATCH="--set train.min_lr_ratio=0 --set train.loss_mask_token=position --set train.loss_norm=all --set train.mask_oov_target=true --set train.epochs=$EPOCHS ${XSET:-}"
+EV="--config $CONFIG --bench mt-bench --bench humaneval --limit $LIMIT --no-hf-baseline ${XSET:-} ${EVX:-}"
 t start
 # a rerun in the same W keeps a finished prepare and capture
-[ -f $W/.prepared ] || { $PY -m eyas prepare --config $CONFIG --set data.self_prompts=$SELF --out $W/prep > $W/prepare.log 2>&1 || { t prepare-FAILED; exit 1; }; touch $W/.prepared; }
+[ -f $W/.prepared ] || { $PY -m eyas prepare --config $CONFIG --set data.self_prompts=$SELF ${XSET:-} --out $W/prep > $W/prepare.log 2>&1 || { t prepare-FAILED; exit 1; }; touch $W/.prepared; }
 t prepared
-[ -f $W/.captured ] || { $PY -m eyas capture --config $CONFIG --data $W/prep --out $W/store > $W/capture.log 2>&1 || { t capture-FAILED; exit 1; }; touch $W/.captured; }
+[ -f $W/.captured ] || { $PY -m eyas capture --config $CONFIG ${XSET:-} --data $W/prep --out $W/store > $W/capture.log 2>&1 || { t capture-FAILED; exit 1; }; touch $W/.captured; }
 t captured
 $PY bench/peer_specforge.py --store $W/store --out $W/peer --config $CONFIG $MATCH --specforge-path $SF --stage convert > $W/convert.log 2>&1 || { t convert-FAILED; exit 1; }
 t converted
@@ -30,7 +32,7 @@ t steps=$STEPS
 ( $PY -m eyas train --config $CONFIG $MATCH --store $W/store --out $W/eyas-run --steps $STEPS > $W/eyas-train.log 2>&1; t eyas-trained-rc$?
   touch $W/.eyas-trained
   $PY -m eyas eval $EV --draft $W/eyas-run --tree 16,6,80 --out-dir $W/eval-eyas > $W/eval-eyas.log 2>&1; t eval-eyas-rc$? ) &
-( while [ ! -f $W/.eyas-trained ]; do sleep 5; done  # fp32: plain decoding is the reference, every turn must equal it
+[ "${FP32:-1}" = 0 ] || ( while [ ! -f $W/.eyas-trained ]; do sleep 5; done  # fp32: plain decoding is the reference, every turn must equal it
   $PY -m eyas eval $EV --draft $W/eyas-run ${FP32_CHAIN---steps 3} --tree 16,6,80 --set target.dtype=fp32 --out-dir $W/eval-eyas-fp32 \
     > $W/eval-eyas-fp32.log 2>&1; t eval-eyas-fp32-rc$? ) &
 ( $PY bench/peer_specforge.py --store $W/store --out $W/peer --config $CONFIG $MATCH --specforge-path $SF --stage train > $W/sf-train.log 2>&1; rc=$?; t sf-trained-rc$rc
