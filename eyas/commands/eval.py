@@ -5,6 +5,7 @@ The work, and what it writes, is eyas.stages.eval; this module turns the command
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 from eyas.commands import flag_overrides, positive_int
@@ -115,7 +116,13 @@ def main(args) -> int:
             return Path(args.out_dir) / eval_result_name(bench, name)
         return out.with_name(f"{out.stem}-{bench}-{name}.json" if many else out.name)
 
-    stage.run(cfg, stage.Inputs(draft=args.draft), args.out_dir or out.parent, settings=settings,
-              result_path=result_path, require_compile=args.compile_draft, own_out=bool(args.out_dir),
-              engine=args.engine, batch_size=args.batch_size)
+    with contextlib.ExitStack() as stack:
+        if not args.out_dir:  # --out-dir is claimed and locked by the stage; --out's results are locked here
+            from eyas.ownership import exclusive, lock_file
+
+            stack.enter_context(exclusive(lock_file(out), str(out),
+                                          fix="wait for it to finish, or choose another --out"))
+        stage.run(cfg, stage.Inputs(draft=args.draft), args.out_dir or out.parent, settings=settings,
+                  result_path=result_path, require_compile=args.compile_draft, own_out=bool(args.out_dir),
+                  engine=args.engine, batch_size=args.batch_size)
     return 0

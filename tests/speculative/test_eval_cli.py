@@ -71,6 +71,35 @@ def test_eval_cli_on_jsonl(tmp_path, tiny_target, capsys):
     assert entry["tau_pooled"] == s["tau_pooled"] and entry["speedup_vs_plain"] == s["speedup_vs_plain"]
     assert entry["ngram_tau"] == s["ngram_tau"]
     assert entry["wall_s"] > 0 and summary["wall_s"] == entry["wall_s"] and summary["tokens_per_s"] > 0
+    from eyas.ownership import lock_file
+
+    assert not lock_file(out).exists()  # its lock is gone with the eval
+
+
+def test_a_second_eval_into_the_same_out_is_refused_naming_the_holder(tmp_path, tiny_target, capsys):
+    """--out FILE (not --out-dir) resumes from FILE's requests: two evals into one FILE would interleave them."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from eyas.ownership import lock_file
+
+    step = save_step_dir(tmp_path / "run" / "step-0000010", tiny_target)
+    out = tmp_path / "res" / "result.json"
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time\nfrom eyas.ownership import exclusive\n"
+                               "with exclusive(sys.argv[1], 'held'):\n    print('held', flush=True)\n"
+                               "    time.sleep(60)", str(lock_file(out))], stdout=subprocess.PIPE, text=True,
+                              cwd=Path(__file__).resolve().parents[2])
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        rc = main(["eval", "--config", "tiny", "--target", "tiny", "--draft", str(step), "--steps", "2",
+                   "--max-new-tokens", "4", "--limit", "1", "--out", str(out)])
+        assert rc == 2
+        assert f"{out} is in use by another process (pid {holder.pid})" in capsys.readouterr().err
+        assert not out.exists()
+    finally:
+        holder.kill()
+        holder.wait()
 
 
 def test_eval_cli_tree_and_chain_on_mtbench(tmp_path, tiny_target):
