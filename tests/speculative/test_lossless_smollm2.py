@@ -9,7 +9,6 @@ from eyas.speculative.oracle import ScriptedDraft, untrained_draft
 
 QUESTIONS = ["What is the capital of France?", "Write a haiku about rain.", "List three prime numbers."]
 NEW = 12
-INTRA_OP_THREADS = 2  # SmolLM2's matmuls share well over two cores (tests/speculative/conftest.py)
 
 
 def chat_ids(target, text):
