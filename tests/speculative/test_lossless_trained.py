@@ -32,7 +32,6 @@ DRAFT_VOCAB = 1024
 STEPS = 20
 BASELINE_PROMPTS = 2  # the untrained draft (tau about 1, so one target pass per token) decodes only the first few
 SETTINGS = {"chain3": dict(steps=3), "tree2x3x6": dict(tree=(2, 3, 6))}
-INTRA_OP_THREADS = 2  # SmolLM2's matmuls share well over two cores (tests/speculative/conftest.py)
 
 
 @pytest.fixture(scope="module")
@@ -115,6 +114,22 @@ def trained(smollm2, tmp_path_factory):
                 untrained=untrained, aux=meta["aux_layers"], summary=summary, source=source, cfg=cfg)
 
 
+@pytest.fixture(scope="module")
+def dynamic(smollm2, trained):
+    """The trained draft's generations on the dynamic engine (one engine for the module), each prompt and setting
+    decoded once: several tests compare the fixed-shape path against the same dynamic generations.
+    dynamic(i, **setting) -> the result for trained["prompts"][i]."""
+    engine, done = SpecEngine(smollm2.model, trained["draft"], trained["aux"]), {}
+
+    def generate(i, **setting):
+        key = (i, tuple(sorted(setting.items())))
+        if key not in done:
+            done[key] = engine.generate(trained["prompts"][i], NEW, eos_token_ids=trained["eos"], **setting)
+        return done[key]
+
+    return generate
+
+
 def pooled_tau(results) -> float:
     """Tokens per cycle over several generations (accepted draft tokens + the bonus, per cycle)."""
     cycles = sum(r.num_cycles for r in results)
@@ -122,7 +137,7 @@ def pooled_tau(results) -> float:
 
 
 @pytest.mark.parametrize("name", list(SETTINGS))
-def test_trained_draft_is_lossless_and_accepts_more(smollm2, trained, name):
+def test_trained_draft_is_lossless_and_accepts_more(smollm2, trained, dynamic, name):
     setting = SETTINGS[name]
     prompts, answers = trained["prompts"], trained["answers"]
     results = {}
@@ -130,8 +145,9 @@ def test_trained_draft_is_lossless_and_accepts_more(smollm2, trained, name):
         t0 = time.perf_counter()
         engine = SpecEngine(smollm2.model, trained[which], trained["aux"])
         results[which] = []
-        for prompt, answer in zip(prompts[:count], answers[:count]):
-            res = engine.generate(prompt, NEW, eos_token_ids=trained["eos"], **setting)
+        for i, (prompt, answer) in enumerate(zip(prompts[:count], answers[:count])):
+            res = (dynamic(i, **setting) if which == "draft" else
+                   engine.generate(prompt, NEW, eos_token_ids=trained["eos"], **setting))
             assert res.tokens == answer, (which, name, prompt)  # token for token the target's greedy output
             results[which].append(res)
         print(f"\n{name} {which}: tau {pooled_tau(results[which]):.2f} ({time.perf_counter() - t0:.1f}s)")
@@ -182,16 +198,15 @@ def test_eagle31_draft_is_lossless(smollm2, trained, trained_eagle31, name):
 
 @pytest.mark.parametrize("setting", [dict(steps=1), dict(steps=5), dict(tree=(4, 4, 12))],
                          ids=["chain1", "chain5", "tree4x4x12"])
-def test_static_path_matches_dynamic_engine(smollm2, trained, setting):
+def test_static_path_matches_dynamic_engine(smollm2, trained, dynamic, setting):
     """The fixed-shape path (what runs as CUDA graphs on a GPU; eagerly here) against the dynamic engine,
     with the trained draft: the same tokens (the target's greedy answer), the same acceptance cycle by
     cycle (so the draft's cache and state after each rebuild are right; for a tree, also the same tree
     depth, i.e. the same nodes ranked the same way), and plain decoding the same."""
-    dynamic = SpecEngine(smollm2.model, trained["draft"], trained["aux"])
     static = SpecEngine(smollm2.model, trained["draft"], trained["aux"], static=True)
     accepted = deep = 0
-    for prompt, answer in zip(trained["prompts"], trained["answers"]):
-        want = dynamic.generate(prompt, NEW, eos_token_ids=trained["eos"], **setting)
+    for i, (prompt, answer) in enumerate(zip(trained["prompts"], trained["answers"])):
+        want = dynamic(i, **setting)
         got = static.generate(prompt, NEW, eos_token_ids=trained["eos"], **setting)
         assert got.tokens == answer == want.tokens
         assert got.accepted_per_cycle == want.accepted_per_cycle, prompt
@@ -207,7 +222,7 @@ def test_static_path_matches_dynamic_engine(smollm2, trained, setting):
 
 
 @pytest.mark.parametrize("setting", [dict(steps=3), dict(tree=(4, 4, 12))], ids=["chain3", "tree4x4x12"])
-def test_static_path_with_narrow_attended_widths(smollm2, trained, setting, monkeypatch):
+def test_static_path_with_narrow_attended_widths(smollm2, trained, dynamic, setting, monkeypatch):
     """The fixed-shape passes attend over the narrowest width (a multiple of WIDTH_STEP) that holds every
     slot a pass may touch. With a width step of 4 slots a generation crosses several widths, in the
     target's and the draft's attention alike: tokens, acceptance per cycle and tree depths must stay those
@@ -215,13 +230,12 @@ def test_static_path_with_narrow_attended_widths(smollm2, trained, setting, monk
     import eyas.speculative.graphs as graphs
 
     monkeypatch.setattr(graphs, "WIDTH_STEP", 4)
-    dynamic = SpecEngine(smollm2.model, trained["draft"], trained["aux"])
     static = SpecEngine(smollm2.model, trained["draft"], trained["aux"], static=True)
     used = []
     at = graphs.GraphDecoder._at
     monkeypatch.setattr(graphs.GraphDecoder, "_at", lambda self, b, need: (used.append(need), at(self, b, need))[1])
-    for prompt, answer in list(zip(trained["prompts"], trained["answers"]))[:4]:
-        want = dynamic.generate(prompt, NEW, eos_token_ids=trained["eos"], **setting)
+    for i, (prompt, answer) in enumerate(list(zip(trained["prompts"], trained["answers"]))[:4]):
+        want = dynamic(i, **setting)
         used.clear()
         got = static.generate(prompt, NEW, eos_token_ids=trained["eos"], **setting)
         assert got.tokens == answer == want.tokens
@@ -237,15 +251,14 @@ def test_static_path_with_narrow_attended_widths(smollm2, trained, setting, monk
 
 
 @pytest.mark.parametrize("step", [5, 1536], ids=["padded-to-5", "padded-to-the-capacity"])
-def test_static_path_with_padded_prefills(smollm2, trained, step, monkeypatch):
+def test_static_path_with_padded_prefills(smollm2, trained, dynamic, step, monkeypatch):
     """The fixed-shape prefill pads the prompt to a multiple of PREFILL_STEP (at most the capacity): the
     padding's cache entries lie after the committed length, in the target's and the draft's cache, and
     must never be seen. Tokens, acceptance per cycle and the target tokens counted must equal those of
     the eager prefill at the prompt's own length (PREFILL_STEP = 0) and of the dynamic engine."""
     import eyas.speculative.graphs as graphs
 
-    dynamic = SpecEngine(smollm2.model, trained["draft"], trained["aux"])
-    for prompt, answer in list(zip(trained["prompts"], trained["answers"]))[:2 if step < 1024 else 1]:
+    for i, (prompt, answer) in enumerate(list(zip(trained["prompts"], trained["answers"]))[:2 if step < 1024 else 1]):
         runs = {}
         for prefill_step in (0, step):
             monkeypatch.setattr(graphs, "PREFILL_STEP", prefill_step)
@@ -259,7 +272,7 @@ def test_static_path_with_padded_prefills(smollm2, trained, step, monkeypatch):
             lengths = [k[1] for k in static._decoder.steps if k[0] == "prefill"]
             assert lengths == ([] if prefill_step == 0 else [min(-(-len(prompt) // step) * step, 1024)] * 2)
         assert runs[step] == runs[0]
-        want = dynamic.generate(prompt, NEW, eos_token_ids=trained["eos"], steps=3)
+        want = dynamic(i, steps=3)
         assert runs[step][0] == answer == want.tokens and runs[step][1] == want.accepted_per_cycle
 
 
@@ -297,7 +310,7 @@ def test_static_path_with_the_draft_pass_compiled(smollm2, trained, monkeypatch)
     assert runs[True][0] == trained["answers"][0] and sum(runs[True][1]) > 0
 
 
-def test_tree_select_bench_simulates_the_engine(smollm2, trained):
+def test_tree_select_bench_simulates_the_engine(smollm2, trained, dynamic):
     """bench/tree_select.py judges a tree drafted after N tokens by the target's greedy tokens after N: with
     EAGLE-2's rule its accepted drafts per cycle must be the engine's, cycle by cycle; with a depth penalty
     or bonus the kept nodes must stay closed under ancestors (select_tree asserts it)."""
@@ -312,8 +325,8 @@ def test_tree_select_bench_simulates_the_engine(smollm2, trained):
     d2t, eos, tree = engine._d2t_host(), trained["eos"], (4, 4, 12)
     assert d2t is not None  # the draft's own vocabulary: the simulation maps ids as the engine does
     accepted = 0
-    for prompt in trained["prompts"]:
-        want = engine.generate(prompt, NEW, tree=tree, eos_token_ids=eos).accepted_per_cycle
+    for i, prompt in enumerate(trained["prompts"]):
+        want = dynamic(i, tree=tree).accepted_per_cycle  # the engine's (the same dynamic engine and draft)
         longer = engine.plain_generate(prompt, NEW + tree[1] + 2, eos_token_ids=eos).tokens
         request = bench.Request(engine, prompt, longer)
         assert request.simulate(engine.draft, d2t, tree, 0.0, NEW, set(eos)) == want, prompt
