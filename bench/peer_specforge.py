@@ -154,9 +154,11 @@ def run_config(cfg, out: Path, plan: dict, stats: dict, device: str) -> tuple[di
     tc = cfg.train
     # the same samples per optimizer step as eyas's plan; SpecForge pads a micro-batch to its longest sample, so
     # a micro-batch holds at most batch_tokens // longest samples (eyas's memory bound) and the rest accumulates
+    # (as few micro-batches as fit, then the micro-batch size that comes closest to eyas's samples per step)
     wanted = max(1, round(plan["samples_per_batch"] * tc.grad_accum))
-    batch_size = max(1, min(wanted, tc.batch_tokens // stats["longest"]))
-    accumulation = max(1, round(wanted / batch_size))
+    cap = max(1, tc.batch_tokens // stats["longest"])
+    accumulation = math.ceil(wanted / cap)
+    batch_size = max(1, min(cap, round(wanted / accumulation)))
     samples_per_step = batch_size * accumulation
     epochs = max(1, math.ceil(plan["steps"] * samples_per_step / stats["num_samples"]) + 1)
     warmup_ratio = min(1.0, tc.warmup_steps / plan["steps"])

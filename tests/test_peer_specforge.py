@@ -86,3 +86,18 @@ def test_specforge_export_reads_back_exactly(tmp_path):
     assert set(want) == set(got)
     for name in want:
         torch.testing.assert_close(got[name], want[name], rtol=0, atol=0, msg=name)
+
+
+def test_specforge_steps_hold_as_many_samples_as_eyas_steps(tmp_path):
+    """SpecForge counts a step in samples and pads each micro-batch to its longest: its micro-batch may hold at
+    most batch_tokens // longest samples, and accumulation makes up the rest of eyas's samples per step."""
+    from eyas.config import load_config
+
+    cfg = load_config("tiny", ["train.batch_tokens=4096"])
+    stats = {"num_samples": 360, "num_tokens": 55767, "longest": 272}  # 4096 // 272 = 15 a micro-batch
+    for per_step, want in ((22.5, (11, 2)), (12.0, (12, 1)), (31.0, (10, 3)), (0.4, (1, 1))):
+        plan = {"steps": 64, "samples_per_batch": per_step, "batches_per_epoch": 16, "tokens_per_epoch": 55767}
+        doc, _ = peer.run_config(cfg, tmp_path, plan, stats, "cpu")
+        got = (doc["training"]["batch_size"], doc["training"]["accumulation_steps"])
+        assert got == want, per_step
+        assert got[0] <= 15 and abs(got[0] * got[1] - max(1, round(per_step))) <= got[1] // 2
