@@ -332,21 +332,55 @@ def _gguf_key(gguf: Path) -> str:
     return digest
 
 
+# the conversion's own version, recorded in COMPLETE.json: an entry an older conversion built is rebuilt
+# (2: the special tokens are the GGUF's own, whatever the transformers version; transformers 5.17 named
+# SmolLM2's <|im_start|> as eos where 5.19 named <|im_end|>, and the same GGUF got two tokenizer identities)
+CONVERSION = 2
+# GGUF metadata key of each special token's id -> the tokenizer attribute it sets
+_GGUF_SPECIAL = {"tokenizer.ggml.bos_token_id": "bos_token", "tokenizer.ggml.eos_token_id": "eos_token",
+                 "tokenizer.ggml.unknown_token_id": "unk_token", "tokenizer.ggml.padding_token_id": "pad_token"}
+
+
+def _entry_conversion(entry: Path) -> int | None:
+    try:
+        return read_json(entry / "COMPLETE.json").get("conversion")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
 def converted_gguf_dir(gguf: Path) -> Path:
     """Return a complete HF directory for this GGUF, building it once (under a lock) if needed."""
     gguf = Path(gguf)
     root = cache_dir() / "hf"
     entry = root / _gguf_key(gguf)[:24]
-    if _entry_is_complete(entry):
+    if _entry_conversion(entry) == CONVERSION and _entry_is_complete(entry):
         return entry
     with file_lock(root / f"{entry.name}.lock"):
-        if _entry_is_complete(entry):  # another process built it while we waited
+        if _entry_conversion(entry) == CONVERSION and _entry_is_complete(entry):  # built while we waited
             return entry
         if entry.exists():
-            print0(f"cache entry {entry} is incomplete or corrupt; rebuilding it")
+            why = ("was built by an older conversion" if _entry_is_complete(entry) else "is incomplete or corrupt")
+            print0(f"cache entry {entry} {why}; rebuilding it")
             shutil.rmtree(entry)
         _build_entry(gguf, entry)
     return entry
+
+
+def gguf_special_tokens(gguf: Path, tokenizer) -> dict[str, str]:
+    """The special tokens the GGUF's metadata names by id ({"eos_token": "<|im_end|>", ...}), spelled as
+    the tokenizer spells them; ids outside the vocabulary are left out."""
+    import gguf as gguf_lib
+
+    reader = gguf_lib.GGUFReader(str(gguf))
+    out = {}
+    for key, attr in _GGUF_SPECIAL.items():
+        field = reader.fields.get(key)
+        if field is None or not field.data:
+            continue
+        token_id = int(field.parts[field.data[0]][0])
+        if 0 <= token_id < len(tokenizer):
+            out[attr] = tokenizer.convert_ids_to_tokens(token_id)
+    return out
 
 
 def _build_entry(gguf: Path, entry: Path) -> None:
@@ -360,9 +394,11 @@ def _build_entry(gguf: Path, entry: Path) -> None:
         tokenizer, model = _from_pretrained(gguf.parent, f"GGUF file {gguf}", torch.float32, GGUF_HINT,
                                             gguf_file=gguf.name)
         _save_dequantized(model, tmp)
+        for attr, token in gguf_special_tokens(gguf, tokenizer).items():
+            setattr(tokenizer, attr, token)
         tokenizer.save_pretrained(tmp)
         files = {p.name: {"size": p.stat().st_size, "xxh3": _fast_digest(p)} for p in sorted(tmp.iterdir()) if p.is_file()}
-        atomic_write_json(tmp / "COMPLETE.json", {"source": str(gguf), "files": files})
+        atomic_write_json(tmp / "COMPLETE.json", {"source": str(gguf), "conversion": CONVERSION, "files": files})
         tmp.chmod(0o755)
         # the files were just hashed: remember them as verified so the next load does not rehash
         stamps = {n: [(tmp / n).stat().st_size, (tmp / n).stat().st_mtime_ns, (tmp / n).stat().st_ino] for n in files}

@@ -1,5 +1,6 @@
 """The default target: GGUF -> cached HF directory parity, cache repair, offline hub ids, chat template."""
 
+import json
 import os
 import shutil
 import subprocess
@@ -186,3 +187,44 @@ def test_a_target_that_ships_its_own_code_needs_trust_remote_code(tmp_path, tiny
     assert asked == [] and not (model_dir / "RAN").exists()
     target = load_target(str(model_dir), device="cpu", trust_remote_code=True)
     assert type(target.model).__name__ == "RemoteLM" and (model_dir / "RAN").exists() and asked == []
+
+
+def test_the_gguf_names_the_special_tokens(smollm2):
+    """The converted tokenizer's special tokens are the GGUF's own ids, not what a transformers version's GGUF
+    reader makes of them (5.17 named <|im_start|> as eos, 5.19 <|im_end|>: one GGUF, two tokenizer hashes)."""
+    from eyas.target.load import CONVERSION, gguf_special_tokens
+
+    tok = smollm2.tokenizer
+    named = gguf_special_tokens(smollm2_gguf_path(), tok)
+    assert named == {"bos_token": "<|im_start|>", "eos_token": "<|im_end|>", "unk_token": "<|endoftext|>",
+                     "pad_token": "<|im_end|>"}
+    assert (tok.bos_token_id, tok.eos_token_id, tok.pad_token_id) == (1, 2, 2)  # the GGUF's metadata ids
+    entry = cache_dir() / "hf" / _gguf_key(smollm2_gguf_path())[:24]
+    assert json.loads((entry / "COMPLETE.json").read_text())["conversion"] == CONVERSION
+
+
+def test_an_entry_of_an_older_conversion_is_rebuilt(tmp_path, smollm2, monkeypatch, capsys):
+    from eyas.target import load as load_module
+
+    key = _gguf_key(smollm2_gguf_path())[:24]
+    current = cache_dir() / "hf" / key
+    cache = tmp_path / "cache"
+    shutil.copytree(current, cache / "hf" / key)
+    marker = cache / "hf" / key / "COMPLETE.json"
+    old = json.loads(marker.read_text())
+    del old["conversion"]  # as the earlier conversion wrote it
+    marker.write_text(json.dumps(old))
+    monkeypatch.setenv("EYAS_CACHE", str(cache))
+    built = []
+
+    def build(gguf, entry):  # the conversion itself is timed elsewhere: its result, copied into place
+        built.append(entry)
+        shutil.copytree(current, entry)
+
+    monkeypatch.setattr(load_module, "_build_entry", build)
+    entry = load_module.converted_gguf_dir(smollm2_gguf_path())
+    assert built == [cache / "hf" / key] == [entry]
+    assert "was built by an older conversion; rebuilding it" in capsys.readouterr().out
+    assert json.loads(marker.read_text())["conversion"] == load_module.CONVERSION
+    load_module.converted_gguf_dir(smollm2_gguf_path())
+    assert len(built) == 1  # a current entry is used as it is
