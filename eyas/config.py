@@ -240,6 +240,10 @@ class TrainConfig:
     grad_accum: int = 1
     grad_clip: float = 0.5
     weight_decay: float = 0.0
+    adam_beta2: float = 0.95  # AdamW's second-moment decay (SpecForge and torch's default: 0.999)
+    # shuffled: each batch a random mix of lengths | sorted: length-sorted windows (less padding, but each batch
+    # holds one length, and the draft came out worse on held-out samples: docs/PERFORMANCE.md)
+    batching: str = "shuffled"
     loss_decay: float = 0.8  # weight of step k is loss_decay**k
     # the per-position loss: kl (soft cross-entropy against the target, i.e. forward KL) | lk_alpha (-log of the
     # acceptance rate alpha = sum min(p, q)) | lk_hybrid (exp(-lk_eta*alpha) KL + the rest (1 - alpha)): the LK
@@ -292,6 +296,7 @@ class TrainConfig:
         _one_of("train.loss", self.loss, ("kl", "lk_alpha", "lk_hybrid"))
         _one_of("train.loss_mask_token", self.loss_mask_token, ("predicted", "position"))
         _one_of("train.loss_norm", self.loss_norm, ("counted", "all"))
+        _one_of("train.batching", self.batching, ("sorted", "shuffled"))
         if not 0 <= self.lk_eta <= 100:
             raise ConfigError(f"train.lk_eta={self.lk_eta!r} must lie in [0, 100]: the KL weight of train.loss="
                               f"lk_hybrid is exp(-lk_eta * acceptance); 0 is pure KL, the LK paper uses 3")
@@ -307,6 +312,8 @@ class TrainConfig:
             raise ConfigError(f"train.epochs={self.epochs!r} must be > 0")
         _at_least("train.warmup_steps", self.warmup_steps, 0)
         _in_range("train.min_lr_ratio", self.min_lr_ratio, 0.0, 1.0)
+        if not 0 < self.adam_beta2 < 1:
+            raise ConfigError(f"train.adam_beta2={self.adam_beta2!r} must lie in (0, 1) (typical: 0.95 to 0.999)")
         for key in ("batch_tokens", "grad_accum", "log_every", "save_every", "keep_last", "val_every"):
             _at_least(f"train.{key}", getattr(self, key), 1)
         _at_least("train.val_samples", self.val_samples, 0, " (0 = no held-out samples)")
@@ -486,7 +493,7 @@ def full() -> RunConfig:
         # 120 samples held out, because the accuracy on training batches hides how the draft does on new text
         train=TrainConfig(epochs=4, ttt=7, lr=5e-4, warmup_steps=40, batch_tokens=32768, log_every=20,
                           save_every=1000, attention="flex", compile=True, compile_loss=True, val_samples=120,
-                          val_every=100),
+                          val_every=100, batching="sorted"),  # its figures were measured with sorted batches
         # greedy chains, the tree and plain decoding replay CUDA graphs (one device read per cycle) and the
         # draft's passes are compiled, which makes a deep tree cheap: 16,6,80 gave the best mean speedup of the
         # two benchmarks among the trees measured

@@ -47,6 +47,7 @@ def test_a_list_may_be_written_as_yaml_writes_it():
     ("train.save_every=0", ["train.save_every=0", ">= 1"]),
     ("train.loss_decay=0", ["train.loss_decay=0.0", "(0, 1]"]),
     ("train.min_lr_ratio=1.5", ["train.min_lr_ratio=1.5", "[0.0, 1.0]"]),
+    ("train.adam_beta2=1", ["train.adam_beta2=1.0", "(0, 1)"]),
     ("train.grad_clip=0", ["train.grad_clip=0.0", "> 0"]),
     ("train.warmup_steps=-1", ["train.warmup_steps=-1", ">= 0"]),
     ("capture.ram_budget_gb=-2", ["capture.ram_budget_gb=-2.0", ">= 0"]),

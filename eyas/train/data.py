@@ -5,9 +5,10 @@ A sample is a dict with `input_ids [T]`, `loss_mask [T]` and, for a store, `aux_
 (aux_hidden, final_hidden)` computes them per batch (the online source). A batch is the dict of
 docs/INTERNALS.md "Training batches", right-padded.
 
-Batching: the epoch's samples are shuffled with (seed, epoch), cut into windows of 64 batches' worth
-of samples, sorted by length inside a window (little padding) and packed greedily so that
-`num_samples * longest <= batch_tokens`; then the batches are shuffled. Under DDP each rank takes every
+Batching: the epoch's samples are shuffled with (seed, epoch) and packed greedily so that
+`num_samples * longest <= batch_tokens`; then the batches are shuffled. With `sort` (train.batching=sorted)
+the shuffled samples are first cut into windows of 256 and sorted by length inside a window (little padding,
+but each batch holds samples of one length, which trains a worse draft: docs/PERFORMANCE.md). Under DDP each rank takes every
 world_size-th batch of the same plan (the plan is truncated to a multiple of world_size so that every
 rank runs the same number of steps). A sample longer than `batch_tokens` is truncated to it.
 The data position is (epoch, index of the next batch in this rank's plan).
@@ -40,18 +41,22 @@ SAMPLES_PER_WINDOW = 256
 TAIL_GROUP_BATCHES = 16
 
 
-def pack(order: list[int], lengths, batch_tokens: int) -> list[list[int]]:
-    """Batches of sample indices: windows of `order` sorted by length, packed so that n * longest <= budget."""
+def pack(order: list[int], lengths, batch_tokens: int, sort: bool = True) -> list[list[int]]:
+    """Batches of sample indices, packed so that n * longest <= budget: with `sort`, windows of `order` sorted
+    by length (little padding); without, in `order` as it is (each batch a random mix of lengths)."""
     batches: list[list[int]] = []
-    for w in range(0, len(order), SAMPLES_PER_WINDOW):
-        window = sorted(order[w:w + SAMPLES_PER_WINDOW], key=lambda i: lengths[i])
+    windows = range(0, len(order), SAMPLES_PER_WINDOW) if sort else [0]
+    for w in windows:
+        window = sorted(order[w:w + SAMPLES_PER_WINDOW], key=lambda i: lengths[i]) if sort else order
         current: list[int] = []
+        longest = 0
         for i in window:
-            longest = min(batch_tokens, lengths[i])  # the window is sorted ascending
-            if current and (len(current) + 1) * longest > batch_tokens:
+            t = min(batch_tokens, lengths[i])
+            if current and (len(current) + 1) * max(longest, t) > batch_tokens:
                 batches.append(current)
-                current = []
+                current, longest = [], 0
             current.append(i)
+            longest = max(longest, t)
         if current:
             batches.append(current)
     return batches
@@ -178,6 +183,7 @@ class Batcher:
     rank: int = 0
     world_size: int = 1
     feature_fn: Callable | None = None  # online source: (input_ids, attention_mask) -> (aux, final)
+    sort: bool = True  # length-sorted windows (train.batching=sorted), else shuffled mixes of lengths
 
     def __post_init__(self):
         if not self.lengths:
@@ -188,7 +194,7 @@ class Batcher:
         rng = random.Random(self.seed * 1_000_003 + epoch)
         order = list(range(len(self.lengths)))
         rng.shuffle(order)
-        batches = pack(order, self.lengths, self.batch_tokens)
+        batches = pack(order, self.lengths, self.batch_tokens, self.sort)
         rng.shuffle(batches)
         usable = len(batches) - len(batches) % self.world_size
         if usable == 0:
@@ -230,6 +236,7 @@ class TailBatcher:
     rank: int = 0
     world_size: int = 1
     feature_fn: Callable | None = None
+    sort: bool = True
 
     def batches_per_epoch(self) -> int:
         """An estimate made before the store is complete: planned tokens / batch_tokens, per rank."""
@@ -247,7 +254,7 @@ class TailBatcher:
             rng = random.Random(f"tail {self.seed} {group}")
             order = list(pending)
             rng.shuffle(order)
-            batches = pack(order, self.store.lengths, self.batch_tokens)
+            batches = pack(order, self.store.lengths, self.batch_tokens, self.sort)
             rng.shuffle(batches)
             extra = -len(batches) % self.world_size  # every rank must run the same number of steps
             batches += [batches[j % len(batches)] for j in range(extra)]
@@ -256,7 +263,7 @@ class TailBatcher:
 
     def later_epochs(self) -> Batcher:
         return Batcher(list(self.store.lengths), self.store.__getitem__, self.batch_tokens, self.seed,
-                       self.rank, self.world_size, self.feature_fn)
+                       self.rank, self.world_size, self.feature_fn, self.sort)
 
     def host_stream(self, epoch: int, start: int, pin: bool = False) -> Iterator[tuple[int, int, dict]]:
         if epoch == 0:

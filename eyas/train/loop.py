@@ -276,7 +276,7 @@ def _session(tc, draft: Eagle3Draft, info: dist.DistInfo, total_steps: int, load
                                 compile=compile_step, batch_tokens=tc.batch_tokens,
                                 compile_loss=tc.compile_loss, loss=loss_spec(tc)), info, tc.fsdp)
     params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=tc.lr, betas=(0.9, 0.95), weight_decay=tc.weight_decay)
+    optimizer = torch.optim.AdamW(params, lr=tc.lr, betas=(0.9, tc.adam_beta2), weight_decay=tc.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(total_steps, tc.warmup_steps, tc.min_lr_ratio))
     if loaded:
         dist.load_optimizer_state(model, optimizer, loaded["optim"]["optimizer"], tc.fsdp)
@@ -310,7 +310,8 @@ def _train(cfg: RunConfig, run_dir: Path, source: TrainSource, resume: bool, inf
                f"(H {draft.cfg.hidden_size}, Vd {draft.cfg.draft_vocab_size}, fc {draft.cfg.num_aux_layers}*H -> H, "
                f"features {tc.features}, TTT {tc.ttt})")
         guards.check_memory(draft, tc, source.lm_head_weight, draft.cfg.num_aux_layers, info.device)
-    batcher, val_batcher = source.batchers(tc.batch_tokens, tc.seed, info.rank, info.world_size, tc.val_samples)
+    batcher, val_batcher = source.batchers(tc.batch_tokens, tc.seed, info.rank, info.world_size, tc.val_samples,
+                                           sort=tc.batching == "sorted")
     batches_per_epoch = batcher.batches_per_epoch()  # an estimate while tailing a store being captured
     total_steps = tc.steps or max(1, math.ceil(tc.epochs * batches_per_epoch / tc.grad_accum))
     meta = draft_meta(draft, source, cfg)

@@ -60,37 +60,40 @@ class TrainSource:
         if self.reader is not None:
             self.reader.close()
 
-    def batcher(self, batch_tokens: int, seed: int, rank: int = 0, world_size: int = 1) -> Batcher | TailBatcher:
+    def batcher(self, batch_tokens: int, seed: int, rank: int = 0, world_size: int = 1,
+                sort: bool = True) -> Batcher | TailBatcher:
         if self.tail is not None:
-            return TailBatcher(self.tail, batch_tokens, seed, rank, world_size, self.feature_fn)
-        return Batcher(self.lengths, self.samples.__getitem__, batch_tokens, seed, rank, world_size, self.feature_fn)
+            return TailBatcher(self.tail, batch_tokens, seed, rank, world_size, self.feature_fn, sort)
+        return Batcher(self.lengths, self.samples.__getitem__, batch_tokens, seed, rank, world_size, self.feature_fn,
+                       sort)
 
     def held_out_split(self, val_samples: int, seed: int) -> tuple[list[int], list[int]]:
         """(training indices, held-out indices): `val_samples` drawn with `seed`, the same on every rank."""
         return held_out_split(len(self.lengths), val_samples, seed)
 
     def batchers(self, batch_tokens: int, seed: int, rank: int = 0, world_size: int = 1,
-                 val_samples: int = 0) -> tuple[Batcher | TailBatcher, Batcher | None]:
-        """(training batcher, held-out batcher or None). Held-out samples never reach a training batch."""
+                 val_samples: int = 0, sort: bool = True) -> tuple[Batcher | TailBatcher, Batcher | None]:
+        """(training batcher, held-out batcher or None). Held-out samples never reach a training batch; `sort`
+        applies to the training batches (the held-out ones are length-sorted: their order changes nothing)."""
         if not val_samples:
-            return self.batcher(batch_tokens, seed, rank, world_size), None
+            return self.batcher(batch_tokens, seed, rank, world_size, sort), None
         if self.tail is not None:
             warn(f"train.val_samples={val_samples} is not used while training tails a store being captured "
                  f"(the store's size is not known yet): no held-out accuracy in this run")
-            return self.batcher(batch_tokens, seed, rank, world_size), None
+            return self.batcher(batch_tokens, seed, rank, world_size, sort), None
         train_idx, held = self.held_out_split(val_samples, seed)
         fetch = self.samples.__getitem__
 
-        def subset(indices: list[int]) -> Batcher:
+        def subset(indices: list[int], sort: bool = True) -> Batcher:
             return Batcher([self.lengths[i] for i in indices], lambda j: fetch(indices[j]), batch_tokens, seed,
-                           rank, world_size, self.feature_fn)
+                           rank, world_size, self.feature_fn, sort)
 
         val = subset(held)
         try:
             val.plan(0)
         except ValueError as e:
             raise EyasError(f"train.val_samples={val_samples}: {e}") from None
-        return subset(train_idx), val
+        return subset(train_idx, sort), val
 
 
 class GrowingStore:

@@ -52,12 +52,15 @@ def test_train_learns_and_writes_a_self_describing_run(tmp_path):
     assert meta["target_num_layers"] == 4  # the exporters derive SGLang's layer ids and configs from it
     assert (tmp_path / "curves.png").stat().st_size > 1000 and any((tmp_path / "tb").iterdir())
     assert summary["steps"] == 20 and 1.0 <= summary["tau_sim"] <= 4.0
-    per_epoch = synthetic_source().batcher(128, 0).batches_per_epoch()
-    assert summary["epochs"] == pytest.approx(20 / per_epoch, abs=1e-3)  # passes made, not the last epoch's index
+    batcher, passes, left = synthetic_source().batcher(128, 0, sort=False), 0.0, 20  # shuffled: plans differ in length
+    for epoch in range(20):
+        n = len(batcher.plan(epoch))
+        passes, left = passes + min(left, n) / n, left - min(left, n)
+    assert summary["epochs"] == pytest.approx(passes, abs=1e-3)  # passes made, not the last epoch's index
     # RUN/summary.json: what the pipeline reads for the stage's throughput, whole-run figures
     on_disk = json.loads((tmp_path / "summary.json").read_text())
     assert on_disk == json.loads(json.dumps(summary))
-    stream = synthetic_source().batcher(128, 0).stream(0, 0)
+    stream = synthetic_source().batcher(128, 0, sort=False).stream(0, 0)  # train.batching=shuffled
     assert on_disk["tokens"] == sum(int(next(stream)[2]["attention_mask"].sum()) for _ in range(20))
     # wall_s is written rounded to 1 ms, so the rate it implies is only that close
     assert on_disk["wall_s"] > 0
@@ -83,6 +86,21 @@ def test_batches_respect_the_token_budget_and_are_deterministic():
     assert plan == Batcher(lengths, lambda i: None, 64, seed=3).plan(0) != b.plan(1)
     ranks = [Batcher(lengths, lambda i: None, 64, 3, rank=r, world_size=2).plan(0) for r in range(2)]
     assert len(ranks[0]) == len(ranks[1]) and not {i for x in ranks[0] for i in x} & {i for x in ranks[1] for i in x}
+
+
+def test_shuffled_batches_mix_lengths_within_the_same_budget():
+    """train.batching=shuffled: every sample once an epoch, the same token budget, but batches that mix short and
+    long samples where sorted batching keeps each batch to one length."""
+    lengths = [4, 60] * 40
+    shuffled = Batcher(lengths, lambda i: None, batch_tokens=128, seed=3, sort=False).plan(0)
+    by_length = Batcher(lengths, lambda i: None, batch_tokens=128, seed=3).plan(0)
+    for plan in (shuffled, by_length):
+        assert sorted(i for batch in plan for i in batch) == list(range(80))
+        assert all(len(batch) * max(lengths[i] for i in batch) <= 128 for batch in plan)
+    mixed = [b for b in shuffled if len({lengths[i] for i in b}) > 1]
+    assert len(mixed) >= len(shuffled) // 3
+    assert sum(len({lengths[i] for i in b}) > 1 for b in by_length) <= 2  # at most the window edges mix
+    assert shuffled == Batcher(lengths, lambda i: None, 128, seed=3, sort=False).plan(0)  # deterministic
 
 
 def test_resume_after_kill_9_is_bit_exact(tmp_path):

@@ -43,9 +43,10 @@ def test_plain_checkpoint_without_the_new_fields_resumes(tmp_path):
 
 @pytest.mark.parametrize("overrides", [["train.loss=lk_alpha"], ["train.loss=lk_hybrid", "train.lk_eta=1.5"],
                                        ["train.mask_oov_target=true", "train.loss_mask_token=position",
-                                        "train.loss_norm=all"]],
-                         ids=["lk_alpha", "lk_hybrid", "reference"])
+                                        "train.loss_norm=all"], ["train.batching=sorted"]],
+                         ids=["lk_alpha", "lk_hybrid", "reference", "sorted"])
 def test_loss_switches_reach_the_loss(overrides, tmp_path):
+    """(train.batching changes which samples the first batches hold, so their loss)"""
     base = train(small_config(["train.steps=2", "train.log_every=1"]), tmp_path / "base", synthetic_source(),
                  device="cpu")
     other = train(small_config(["train.steps=2", "train.log_every=1"] + overrides), tmp_path / "other",
@@ -53,10 +54,19 @@ def test_loss_switches_reach_the_loss(overrides, tmp_path):
     assert torch.isfinite(torch.tensor(other["loss"])) and other["loss"] != base["loss"]
 
 
+def test_adam_beta2_reaches_the_optimizer(tmp_path):
+    from eyas.train import checkpoint as ckpt
+
+    train(small_config(["train.steps=2", "train.adam_beta2=0.999"]), tmp_path, synthetic_source(), device="cpu")
+    optim = ckpt.load_checkpoint(tmp_path / "latest")["optim"]["optimizer"]
+    assert optim["param_groups"][0]["betas"] == (0.9, 0.999)
+
+
 @pytest.mark.parametrize("field, value, message", [
     ("loss", "tv", "train.loss='tv' is not valid"),
     ("loss_mask_token", "anchor", "train.loss_mask_token='anchor' is not valid"),
     ("loss_norm", "mean", "train.loss_norm='mean' is not valid"),
+    ("batching", "random", "train.batching='random' is not valid"),
     ("lk_eta", -1.0, r"train.lk_eta=-1.0 must lie in \[0, 100\]"),
 ])
 def test_config_refuses_unknown_switch_values(field, value, message):
