@@ -117,7 +117,7 @@ def test_a_lock_file_is_gone_when_its_writer_ends_and_a_refused_writer_leaves_it
     assert lock.read_text() == f"{pid}\n"  # the holder's lock, untouched
 
 
-def test_a_lock_taken_from_a_removed_file_is_taken_again_on_the_new_one(tmp_path):
+def test_a_lock_taken_from_a_removed_file_is_taken_again_on_the_new_one(tmp_path, monkeypatch):
     """A writer that opened the lock file just before its holder removed it must not lock the removed file
     (a third process would then lock a new one beside it): it finds the file gone and opens the path again."""
     lock = tmp_path / ".out.eyas.lock"
@@ -125,28 +125,19 @@ def test_a_lock_taken_from_a_removed_file_is_taken_again_on_the_new_one(tmp_path
     stale = os.open(lock, os.O_RDWR)  # what a second writer had opened before the holder removed the file
     lock.unlink()
     lock.write_text("")
+    real_open, opened = os.open, []
+
+    def stale_first(path, *args):  # the first open finds the stale file, as the race would
+        opened.append(path)
+        return os.dup(stale) if len(opened) == 1 else real_open(path, *args)
+
+    monkeypatch.setattr(os, "open", stale_first)
     try:
-        real_open = os.open
-        opened = []
-
-        def open_then_swap(path, *a):
-            fd = real_open(path, *a)
-            if not opened:  # the first open finds the stale file, as the race would
-                opened.append(fd)
-                os.close(fd)
-                return os.dup(stale)
-            return fd
-
-        os.open = open_then_swap
-        try:
-            with exclusive(lock, "out"):
-                os.open = real_open
-                assert lock.read_text() == f"{os.getpid()}\n"  # it holds the file at the path, not the stale one
-        finally:
-            os.open = real_open
+        with exclusive(lock, "out"):
+            assert lock.read_text() == f"{os.getpid()}\n"  # it holds the file at the path, not the stale one
     finally:
         os.close(stale)
-    assert not lock.exists()
+    assert len(opened) == 2 and not lock.exists()
 
 
 @pytest.mark.parametrize("before", ["absent", "empty", "eyas's", "written"])

@@ -332,20 +332,25 @@ def _gguf_key(gguf: Path) -> str:
     return digest
 
 
-# the conversion's own version, recorded in COMPLETE.json: an entry an older conversion built is rebuilt
-# (2: the special tokens are the GGUF's own, whatever the transformers version; transformers 5.17 named
-# SmolLM2's <|im_start|> as eos where 5.19 named <|im_end|>, and the same GGUF got two tokenizer identities)
+# the conversion's own version, recorded in COMPLETE.json; an entry an older conversion built is rebuilt
+# (2: the special tokens come from the GGUF's metadata, not from what a transformers version's GGUF reader
+# makes of them, so that one GGUF has one tokenizer identity)
 CONVERSION = 2
 # GGUF metadata key of each special token's id -> the tokenizer attribute it sets
 _GGUF_SPECIAL = {"tokenizer.ggml.bos_token_id": "bos_token", "tokenizer.ggml.eos_token_id": "eos_token",
                  "tokenizer.ggml.unknown_token_id": "unk_token", "tokenizer.ggml.padding_token_id": "pad_token"}
 
 
-def _entry_conversion(entry: Path) -> int | None:
+def _entry_problem(entry: Path) -> str | None:
+    """None when the cache entry can be used, else why it must be rebuilt (an entry of an older conversion is
+    not hashed at all)."""
     try:
-        return read_json(entry / "COMPLETE.json").get("conversion")
+        conversion = read_json(entry / "COMPLETE.json").get("conversion")
     except (OSError, ValueError, AttributeError):
-        return None
+        return "is incomplete or corrupt"
+    if conversion != CONVERSION:
+        return "was built by an older conversion"
+    return None if _entry_is_complete(entry) else "is incomplete or corrupt"
 
 
 def converted_gguf_dir(gguf: Path) -> Path:
@@ -353,14 +358,14 @@ def converted_gguf_dir(gguf: Path) -> Path:
     gguf = Path(gguf)
     root = cache_dir() / "hf"
     entry = root / _gguf_key(gguf)[:24]
-    if _entry_conversion(entry) == CONVERSION and _entry_is_complete(entry):
+    if _entry_problem(entry) is None:
         return entry
     with file_lock(root / f"{entry.name}.lock"):
-        if _entry_conversion(entry) == CONVERSION and _entry_is_complete(entry):  # built while we waited
+        problem = _entry_problem(entry)  # another process may have built it while we waited
+        if problem is None:
             return entry
         if entry.exists():
-            why = ("was built by an older conversion" if _entry_is_complete(entry) else "is incomplete or corrupt")
-            print0(f"cache entry {entry} {why}; rebuilding it")
+            print0(f"cache entry {entry} {problem}; rebuilding it")
             shutil.rmtree(entry)
         _build_entry(gguf, entry)
     return entry

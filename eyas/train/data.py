@@ -8,8 +8,8 @@ docs/INTERNALS.md "Training batches", right-padded.
 Batching: the epoch's samples are shuffled with (seed, epoch) and packed greedily so that
 `num_samples * longest <= batch_tokens`; then the batches are shuffled. With `sort` (train.batching=sorted)
 the shuffled samples are first cut into windows of 256 and sorted by length inside a window (little padding,
-but each batch holds samples of one length, which trains a worse draft: docs/PERFORMANCE.md). Under DDP each rank takes every
-world_size-th batch of the same plan (the plan is truncated to a multiple of world_size so that every
+but each batch holds samples of one length, which trains a worse draft: docs/PERFORMANCE.md). Under DDP each
+rank takes every world_size-th batch of the same plan (the plan is truncated to a multiple of world_size so that every
 rank runs the same number of steps). A sample longer than `batch_tokens` is truncated to it.
 The data position is (epoch, index of the next batch in this rank's plan).
 
@@ -44,10 +44,10 @@ TAIL_GROUP_BATCHES = 16
 def pack(order: list[int], lengths, batch_tokens: int, sort: bool = True) -> list[list[int]]:
     """Batches of sample indices, packed so that n * longest <= budget: with `sort`, windows of `order` sorted
     by length (little padding); without, in `order` as it is (each batch a random mix of lengths)."""
+    windows = ([sorted(order[w:w + SAMPLES_PER_WINDOW], key=lambda i: lengths[i])
+                for w in range(0, len(order), SAMPLES_PER_WINDOW)] if sort else [order])
     batches: list[list[int]] = []
-    windows = range(0, len(order), SAMPLES_PER_WINDOW) if sort else [0]
-    for w in windows:
-        window = sorted(order[w:w + SAMPLES_PER_WINDOW], key=lambda i: lengths[i]) if sort else order
+    for window in windows:
         current: list[int] = []
         longest = 0
         for i in window:
