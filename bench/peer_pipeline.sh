@@ -8,7 +8,9 @@
 #        bench/peer_specforge.py --specforge-path), PY (python, default python3), EVX (extra eval arguments),
 #        FP32_CHAIN (the fp32 eval's chain, default --steps 3; set it empty for the tree alone),
 #        FP32=0 (no fp32 eval: where the target already runs in fp32, as on the CPU),
-#        XSET (more --set KEY=VALUE for every stage and both trainers, e.g. "--set train.val_samples=40")
+#        XSET (more --set KEY=VALUE for every stage and both trainers, e.g. "--set train.val_samples=40"),
+#        ABLATE (more eyas trainings on the same store, one after another once the first is trained, each
+#        "NAME:--set KEY=VALUE ..." and separated by '|'; their own last held-out scoring is in W/abl-NAME.log)
 #
 # Both trainers get the same objective (the SpecForge-fixed knobs set on the eyas side) and the same samples (eyas's
 # held-out ones stay out of both); both drafts are then scored on those held-out samples by eyas. Timestamps of
@@ -49,6 +51,14 @@ t steps=$STEPS
     $PY -m eyas train --config $CONFIG $MATCH --store $W/store --out $W/score-${d%%:*} --set train.init_from=${d#*:} \
       --steps 1 --set train.lr=1e-12 --set train.warmup_steps=0 --set train.val_every=1 --set train.compile=false \
       --set train.compile_loss=false > $W/score-${d%%:*}.log 2>&1; t scored-${d%%:*}-rc$?
+  done ) &
+( [ -n "${ABLATE:-}" ] || exit 0
+  while [ ! -f $W/.eyas-trained ]; do sleep 5; done
+  IFS='|' read -ra runs <<< "$ABLATE"
+  for r in "${runs[@]}"; do
+    name=${r%%:*}
+    $PY -m eyas train --config $CONFIG $MATCH ${r#*:} --store $W/store --out $W/abl-$name --steps $STEPS \
+      > $W/abl-$name.log 2>&1; t abl-$name-rc$?
   done ) &
 wait
 t ALL-DONE
