@@ -135,6 +135,10 @@ class DataConfig:
     regenerate: str | None = None  # None | "local" | an OpenAI-compatible base URL
     regen_max_new_tokens: int = 256
     regen_temperature: float = 0.0
+    # a regenerated answer that ends in a repetition loop (a greedy small target often repeats a sentence until the
+    # length cap): keep it as written | mask (the loop stays as context, its tokens and the end of the turn leave
+    # the loss: the draft is not taught to loop) | drop (the sample is skipped and reported)
+    regen_loops: str = "keep"
     # rows decoded at once (a finished row is given the next prompt); through vLLM (target.backend=vllm), the
     # prompts handed to the engine at a time (at least 64; the engine batches them by tokens itself)
     regen_batch_size: int = 16
@@ -183,6 +187,10 @@ class DataConfig:
                               f"or a server URL such as http://127.0.0.1:8000/v1")
         _at_least("data.regen_max_new_tokens", self.regen_max_new_tokens, 1)
         _at_least("data.regen_temperature", self.regen_temperature, 0.0, " (0 = greedy)")
+        _one_of("data.regen_loops", self.regen_loops, ("keep", "mask", "drop"))
+        if self.regen_loops != "keep" and self.regenerate is None:
+            raise ConfigError(f"data.regen_loops={self.regen_loops} acts on regenerated answers, and data.regenerate "
+                              f"is off: set data.regenerate (local or a server URL) or leave data.regen_loops=keep")
         _at_least("data.regen_batch_size", self.regen_batch_size, 1)
         _at_least("data.regen_concurrency", self.regen_concurrency, 1)
         if self.regen_timeout_s <= 0:

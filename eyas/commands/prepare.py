@@ -113,10 +113,22 @@ def main(args) -> int:
         loops = regen.get("repetition_loops") or {}
         regen_line = (f" Regenerated {regen['num_responses']} responses ({regen['num_tokens']} tokens, {regen['mode']}; "
                       f"{regen['finish'].get('length', 0)} stopped at the token limit, {loops.get('responses', 0)} end "
-                      f"in a repetition loop, about {100 * loops.get('token_share', 0):.1f}% of the tokens).")
+                      f"in a repetition loop, about {100 * loops.get('token_share', 0):.1f}% of the tokens"
+                      f"{_loop_policy(loops, summary)}).")
     print0(f"Prepared {summary['num_kept']} of {summary['num_read']} conversations into {out}/dataset "
            f"({summary['num_tokens']} tokens, {summary['num_loss_tokens']} under the loss mask); skipped: {dropped}."
            f"{regen_line} Draft vocabulary {summary['vocab']['draft_vocab_size']} of {summary['vocab']['vocab_size']} "
            f"ids covers {100 * summary['vocab']['coverage']:.1f}% of assistant tokens. "
            f"Details in {out}/prepare.json ({summary['seconds']:.1f} s).")
     return 0
+
+
+def _loop_policy(loops: dict, summary: dict) -> str:
+    """What data.regen_loops did, for the closing line ('' with keep)."""
+    if loops.get("policy") == "mask":
+        return (f"; masked: {loops.get('masked_responses', 0)} loops, "
+                f"{summary.get('num_loop_masked_tokens', 0)} tokens kept as context only")
+    if loops.get("policy") == "drop":
+        return f"; dropped: {loops.get('dropped_responses', 0)} looping responses"
+    return ""
+

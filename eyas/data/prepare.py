@@ -20,7 +20,7 @@ from pathlib import Path
 from eyas.common import EyasError, atomic_write_json, print0, sha256_json
 from eyas.config import RunConfig
 from eyas.data.readers import EDITS, REASONS, Conversation, Skip, read_sources
-from eyas.data.regenerate import answers, pending, read_results, repetition
+from eyas.data.regenerate import answers, pending, read_results, repeated_tail, repetition
 from eyas.data.template import ChatTemplate, ResponseRewritten, TemplateMismatch, stop_token_ids
 from eyas.ownership import claim
 
@@ -31,6 +31,8 @@ TOKENIZE_REASONS = {
                                   "it (e.g. it adds or drops a <think> block); set data.chat_template_kwargs as the "
                                   "responses were generated (e.g. {enable_thinking: false} for a server that does "
                                   "not think), or give the target a template that renders its responses verbatim",
+    "repetition_loop": "the regenerated answer ends in a repetition loop and data.regen_loops=drop; "
+                       "data.regen_loops=keep trains on it as written, mask keeps it as context only",
 }
 SKIP_REASONS = {**REASONS, **TOKENIZE_REASONS}
 
@@ -194,13 +196,23 @@ def _regenerate(cfg: RunConfig, target, template: ChatTemplate, convs: list[Conv
         if rec is None or not str(rec.get("response", "")).strip():
             report.skip("regeneration_failed", c.where, "no response" if rec is None else "empty response")
             continue
-        kept.append(Conversation(c.sample_id, p["messages"] + [{"role": "assistant", "content": rec["response"]}],
-                                 c.where))
+        response, loss_chars = str(rec["response"]), None
+        tail = repeated_tail(response) if dc.regen_loops != "keep" else 0
+        if tail and dc.regen_loops == "drop":
+            report.skip("repetition_loop", c.where, f"its last {tail} of {len(response)} characters repeat")
+            continue
+        if tail:  # mask: what precedes the loop and its first copy count in the loss
+            loss_chars = len(response) - tail
+        kept.append(Conversation(c.sample_id, p["messages"] + [{"role": "assistant", "content": response}],
+                                 c.where, loss_chars=loss_chars))
     num_tokens = sum(int(results[c.sample_id].get("num_tokens") or 0) for c in kept)
     fresh = [results[p["id"]] for p in prompts if p["id"] in todo_ids and answers(results.get(p["id"]), p["messages"])]
     new_tokens = sum(int(r.get("num_tokens") or 0) for r in fresh)
     finishes = Counter(str(results[c.sample_id].get("finish")) for c in kept)
-    loops = repetition(results[c.sample_id] for c in kept)  # reported, not cut: the target loops in decoding too
+    # data.regen_loops=keep trains on loops as written (the target loops in decoding too): they are counted
+    loops = repetition(results[c.sample_id] for c in kept)
+    loops.update(policy=dc.regen_loops, masked_responses=sum(c.loss_chars is not None for c in kept),
+                 dropped_responses=report.counts.get("repetition_loop", 0))
     return kept, {"mode": dc.regenerate, "results": path.name, "settings": settings, "num_responses": len(kept),
                   "num_tokens": num_tokens, "finish": dict(finishes), "repetition_loops": loops,
                   "seconds_this_run": round(seconds, 2),
@@ -213,7 +225,7 @@ def _tokenize(cfg: RunConfig, template: ChatTemplate, convs: list[Conversation],
     max_len, truncate = cfg.data.max_length, cfg.data.on_long == "truncate"
     regenerated = cfg.data.regenerate is not None
     cols = {"sample_id": [], "input_ids": [], "loss_mask": []}
-    num_truncated = num_tokens = num_masked = num_unmasked_turns = 0
+    num_truncated = num_tokens = num_masked = num_unmasked_turns = num_loop_masked = 0
     for start in range(0, len(convs), CHUNK):
         chunk = convs[start:start + CHUNK]
         for c, tok in zip(chunk, template.tokenize_many([c.messages for c in chunk], verbatim_last=regenerated)):
@@ -224,6 +236,8 @@ def _tokenize(cfg: RunConfig, template: ChatTemplate, convs: list[Conversation],
                 report.skip("template_mismatch", c.where, str(tok)[:200])
                 continue
             ids, mask = tok.input_ids, tok.loss_mask
+            if c.loss_chars is not None:
+                num_loop_masked += _mask_from(template, c, mask)
             if not any(mask):
                 report.skip("no_assistant_tokens", c.where)
                 continue
@@ -248,8 +262,25 @@ def _tokenize(cfg: RunConfig, template: ChatTemplate, convs: list[Conversation],
     policy = {"max_length": max_len, "on_long": cfg.data.on_long, "num_truncated": num_truncated,
               "num_dropped_too_long": report.counts.get("too_long", 0)}
     # num_unmasked_turns: earlier assistant turns of kept samples that are context only
+    # num_loop_masked: tokens of repetition loops kept as context only (data.regen_loops=mask)
     return cols, {"length_policy": policy, "num_tokens": num_tokens, "num_loss_tokens": num_masked,
-                  "num_unmasked_turns": num_unmasked_turns}
+                  "num_unmasked_turns": num_unmasked_turns, "num_loop_masked_tokens": num_loop_masked}
+
+
+def _mask_from(template: ChatTemplate, c: Conversation, mask: list[int]) -> int:
+    """Take the last assistant turn's tokens after its first c.loss_chars characters, and its end of turn, out of
+    the loss (in place); -> how many. The kept text is counted in tokens alone, less one: where its last tokens
+    merge otherwise inside the sample, the cut falls a token or two before the loop."""
+    end = len(mask)
+    while end and not mask[end - 1]:
+        end -= 1
+    start = end
+    while start and mask[start - 1]:
+        start -= 1
+    kept = len(template.tokenizer(c.messages[-1]["content"][:c.loss_chars], add_special_tokens=False)["input_ids"])
+    cut = min(end, start + max(0, kept - 1))
+    mask[cut:end] = [0] * (end - cut)
+    return end - cut
 
 
 def _write_dataset(cols: dict, out: Path) -> None:

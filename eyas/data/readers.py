@@ -74,6 +74,9 @@ class Conversation:
     messages: list[dict]  # [{"role": "system"|"user"|"assistant", "content": str}]
     where: str  # file:line (or dataset:index) of the record
     edits: tuple[str, ...] = ()  # repairs made to the record (EDITS keys), in order
+    # characters of the last assistant message that count in the loss (None: all of it, and its end of turn);
+    # the rest stays in the sample as context (data.regen_loops=mask)
+    loss_chars: int | None = None
 
 
 @dataclass

@@ -151,6 +151,50 @@ def test_builtin_corpus_with_local_regeneration(tmp_path):
     assert 0 <= loops["token_share"] <= 1
 
 
+def test_regen_loops_mask_and_drop_act_on_answers_that_end_in_a_loop(tmp_path):
+    out = tmp_path / "out"
+    base = ["prepare", "--config", "tiny", "--out", str(out), "--num-prompts", "4", "--max-length", "2048",
+            "--set", "data.regen_max_new_tokens=6"]
+    assert cli_main(base) == 0
+    results_file = out / json.loads((out / "prepare.json").read_text())["regeneration"]["results"]
+    results = [json.loads(line) for line in results_file.read_text().splitlines()]
+    # the first answer is made to end in a loop, the second to hold none (the prompts' hashes stay as they were)
+    looping, plain = results[0]["id"], results[1]["id"]
+    results[0]["response"] = "Intro text. " + "I like cats. " * 8
+    results[1]["response"] = "A plain answer, no loop in it."
+    results_file.write_text("".join(json.dumps(r) + "\n" for r in results))
+
+    assert cli_main(base) == 0  # keep: trained on as written
+    loss_tokens_kept = json.loads((out / "prepare.json").read_text())["num_loss_tokens"]
+
+    assert cli_main(base + ["--set", "data.regen_loops=drop"]) == 0
+    s = json.loads((out / "prepare.json").read_text())
+    assert s["dropped"] == {"repetition_loop": 1} and s["first_at"]["repetition_loop"].endswith(looping)
+    assert s["regeneration"]["repetition_loops"]["dropped_responses"] == 1
+    assert looping not in load_prepared(out)["sample_id"] and plain in load_prepared(out)["sample_id"]
+
+    assert cli_main(base + ["--set", "data.regen_loops=mask"]) == 0
+    s = json.loads((out / "prepare.json").read_text())
+    assert s["num_kept"] == 4 and s["regeneration"]["repetition_loops"]["masked_responses"] == 1
+    assert s["num_loop_masked_tokens"] == loss_tokens_kept - s["num_loss_tokens"] > 0
+    from eyas.target import load_target
+
+    tok = load_target("tiny").tokenizer
+    rows = {r["sample_id"]: r for r in load_prepared(out)}
+    masked = tok.decode([i for i, m in zip(rows[looping]["input_ids"], rows[looping]["loss_mask"]) if m])
+    # what precedes the loop and its first copy stay under the loss (less a token or two where the tokens of
+    # the prefix alone and in the sample part); the repeats and the end of the turn are context only
+    first_copy = "Intro text. I like cats. "
+    assert first_copy.startswith(masked) and len(masked) >= len(first_copy) - 4  # cut within a token or two
+    assert tok.decode(rows[looping]["input_ids"]).count("I like cats.") == 8
+    whole = tok.decode([i for i, m in zip(rows[plain]["input_ids"], rows[plain]["loss_mask"]) if m])
+    assert whole.startswith("A plain answer, no loop in it.") and len(whole) > len("A plain answer, no loop in it.")
+
+    rc = cli_main(["prepare", "--config", "tiny", "--regenerate", "none", "--set", "data.regen_loops=mask",
+                   "--out", str(tmp_path / "x")])
+    assert rc != 0 and not (tmp_path / "x" / "dataset").exists()
+
+
 def test_summary_json_reports_the_stage(tmp_path):
     corpus = tmp_path / "corpus.jsonl"
     write_corpus(corpus)
