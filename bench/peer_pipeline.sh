@@ -7,7 +7,8 @@
 #   env: W (work dir, default ~/peer-work), SF (folder holding specforge and its missing dependencies,
 #        bench/peer_specforge.py --specforge-path), PY (python, default python3), EVX (extra eval arguments),
 #        FP32_CHAIN (the fp32 eval's chain, default --steps 3; set it empty for the tree alone),
-#        FP32=0 (no fp32 eval: where the target already runs in fp32, as on the CPU),
+#        FP32=0 (no fp32 eval: where the target already runs in fp32, as on the CPU), EVAL=0 (no benchmark evals
+#        at all: the held-out scores alone),
 #        XSET (more --set KEY=VALUE for every stage and both trainers, e.g. "--set train.val_samples=40"),
 #        ABLATE (more eyas trainings on the same store, one after another once the first is trained, each
 #        "NAME:--set KEY=VALUE ..." and separated by '|'; their own last held-out scoring is in W/abl-NAME.log)
@@ -33,8 +34,8 @@ STEPS=$($PY -c "import json;print(json.load(open('$W/peer/peer.json'))['plan']['
 t steps=$STEPS
 ( $PY -m eyas train --config $CONFIG $MATCH --store $W/store --out $W/eyas-run --steps $STEPS > $W/eyas-train.log 2>&1; t eyas-trained-rc$?
   touch $W/.eyas-trained
-  $PY -m eyas eval $EV --draft $W/eyas-run --tree 16,6,80 --out-dir $W/eval-eyas > $W/eval-eyas.log 2>&1; t eval-eyas-rc$? ) &
-[ "${FP32:-1}" = 0 ] || ( while [ ! -f $W/.eyas-trained ]; do sleep 5; done  # fp32: plain decoding is the reference, every turn must equal it
+  [ "${EVAL:-1}" = 0 ] || $PY -m eyas eval $EV --draft $W/eyas-run --tree 16,6,80 --out-dir $W/eval-eyas > $W/eval-eyas.log 2>&1; t eval-eyas-rc$? ) &
+[ "${FP32:-1}" = 0 ] || [ "${EVAL:-1}" = 0 ] || ( while [ ! -f $W/.eyas-trained ]; do sleep 5; done  # fp32: plain decoding is the reference, every turn must equal it
   $PY -m eyas eval $EV --draft $W/eyas-run ${FP32_CHAIN---steps 3} --tree 16,6,80 --set target.dtype=fp32 --out-dir $W/eval-eyas-fp32 \
     > $W/eval-eyas-fp32.log 2>&1; t eval-eyas-fp32-rc$? ) &
 ( $PY bench/peer_specforge.py --store $W/store --out $W/peer --config $CONFIG $MATCH --specforge-path $SF --stage train > $W/sf-train.log 2>&1; rc=$?; t sf-trained-rc$rc
@@ -44,7 +45,7 @@ t steps=$STEPS
   fi
   $PY bench/peer_specforge.py --store $W/store --out $W/peer --config $CONFIG $MATCH --specforge-path $SF --stage export > $W/sf-export.log 2>&1; t sf-exported-rc$?
   touch $W/.sf-exported
-  $PY -m eyas eval $EV --draft $W/peer/draft --tree 16,6,80 --out-dir $W/eval-sf > $W/eval-sf.log 2>&1; t eval-sf-rc$? ) &
+  [ "${EVAL:-1}" = 0 ] || $PY -m eyas eval $EV --draft $W/peer/draft --tree 16,6,80 --out-dir $W/eval-sf > $W/eval-sf.log 2>&1; t eval-sf-rc$? ) &
 ( while [ ! -f $W/.eyas-trained ] || [ ! -f $W/.sf-exported ]; do sleep 5; done
   # both drafts scored on eyas's held-out samples by one command: a training step at lr 1e-12 reports them
   for d in eyas:$W/eyas-run sf:$W/peer/draft; do
