@@ -193,7 +193,8 @@ def run_config(cfg, out: Path, plan: dict, stats: dict, device: str) -> tuple[di
          f"(~{plan['samples_per_batch'] * tc.grad_accum:.1f} samples)",
          f"~{samples_per_step * mean_len:.0f} ({batch_size} samples x {accumulation} accumulated)",
          "SpecForge counts samples, not tokens"),
-        ("data order", "eyas's shuffle, length-sorted windows", "SpecForge's shuffle", "same samples, other order"),
+        ("data order", "length-sorted windows" if tc.batching == "sorted" else "shuffled batches", "SpecForge's shuffle",
+         "same samples, other order"),
         ("attention", tc.attention, attention, ""),
         ("dtype", tc.dtype, "bf16", "SpecForge: bf16 weights, features and target head, fp32 AdamW masters"),
     ]
