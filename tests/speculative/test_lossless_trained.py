@@ -28,6 +28,10 @@ QUESTIONS = [
 ]
 NEW = 12  # new tokens decoded per prompt
 TRAIN_NEW = NEW + 3  # the training answers run a little further: a cut answer's last word may re-tokenize
+SELECT_TREE = (4, 4, 12)  # the tree test_tree_select_bench_simulates_the_engine judges
+# the target's greedy continuations are decoded once, as far as that test reads them (a tree drafted after the
+# last of NEW tokens reaches SELECT_TREE[1] further); the training answers are their first TRAIN_NEW tokens
+LONGER_NEW = NEW + SELECT_TREE[1] + 2
 DRAFT_VOCAB = 1024
 STEPS = 20
 BASELINE_PROMPTS = 2  # the untrained draft (tau about 1, so one target pass per token) decodes only the first few
@@ -51,13 +55,15 @@ def trained(smollm2, tmp_path_factory):
     template = ChatTemplate(tok, stop_token_ids(tok, smollm2.model.generation_config))
     eos = template.stop_ids
     plain = SpecEngine(smollm2.model)
-    prompts, answers, conversations = [], [], []
+    prompts, answers, longer, conversations = [], [], [], []
     for q in QUESTIONS:
         messages = [{"role": "user", "content": q}]
         prompt = template.prompt_ids(messages)
-        answer = plain.plain_generate(prompt, TRAIN_NEW, eos_token_ids=eos).tokens
+        greedy = plain.plain_generate(prompt, LONGER_NEW, eos_token_ids=eos).tokens
+        answer = greedy[:TRAIN_NEW]  # greedy decoding to TRAIN_NEW tokens (it stops at the same eos)
         prompts.append(prompt)
         answers.append(answer)
+        longer.append(greedy)
         text = tok.decode(answer, skip_special_tokens=True)
         conversations.append(messages + [{"role": "assistant", "content": text}])
     # the reference does not rest on the engine alone: transformers' greedy generate agrees on one prompt
@@ -110,7 +116,7 @@ def trained(smollm2, tmp_path_factory):
     untrained = build_draft(source, cfg.train.features).eval()
     print(f"\nrefs {t_ref - t0:.1f}s capture {t_cap - t_ref:.1f}s train {t_train - t_cap:.1f}s; "
           f"loss {summary['loss']:.3f} acc {[round(summary[f'acc_{k}'], 2) for k in range(3)]}")
-    return dict(prompts=prompts, answers=[a[:NEW] for a in answers], eos=eos, draft=draft.eval(),
+    return dict(prompts=prompts, answers=[a[:NEW] for a in answers], longer=longer, eos=eos, draft=draft.eval(),
                 untrained=untrained, aux=meta["aux_layers"], summary=summary, source=source, cfg=cfg)
 
 
@@ -322,12 +328,13 @@ def test_tree_select_bench_simulates_the_engine(smollm2, trained, dynamic):
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
     engine = SpecEngine(smollm2.model, trained["draft"], trained["aux"])
-    d2t, eos, tree = engine._d2t_host(), trained["eos"], (4, 4, 12)
+    d2t, eos, tree = engine._d2t_host(), trained["eos"], SELECT_TREE
     assert d2t is not None  # the draft's own vocabulary: the simulation maps ids as the engine does
+    assert LONGER_NEW == NEW + tree[1] + 2
     accepted = 0
     for i, prompt in enumerate(trained["prompts"]):
         want = dynamic(i, tree=tree).accepted_per_cycle  # the engine's (the same dynamic engine and draft)
-        longer = engine.plain_generate(prompt, NEW + tree[1] + 2, eos_token_ids=eos).tokens
+        longer = trained["longer"][i]  # the target's greedy tokens, NEW + tree[1] + 2 of them (decoded once)
         request = bench.Request(engine, prompt, longer)
         assert request.simulate(engine.draft, d2t, tree, 0.0, NEW, set(eos)) == want, prompt
         accepted += sum(want)

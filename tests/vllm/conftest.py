@@ -110,6 +110,42 @@ def reusing(features):
         yield calls
 
 
+DRAFT_K = 3  # draft tokens a cycle of the session's engine with the draft (test_eval_vllm, test_exports_vllm)
+EXPORT_FORMATS = ("vllm", "speculators")
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_exports(tiny_llama_draft, tmp_path_factory):
+    """{format: directory}: the session's draft (tiny_llama_draft) exported in EXPORT_FORMATS, fp32, once."""
+    from eyas.formats import export
+
+    return export(tiny_llama_draft, tmp_path_factory.mktemp("exports"), EXPORT_FORMATS, dtype="fp32")
+
+
+def same_export(got, want) -> bool:
+    """Whether two export directories hold the same files, byte for byte, apart from README.md (which names its
+    own directory) and eyas's dotfiles: vLLM serves them alike."""
+    from pathlib import Path
+
+    def files(d):
+        return {p.name: p.read_bytes() for p in sorted(Path(d).iterdir())
+                if p.is_file() and p.name != "README.md" and not p.name.startswith(".")}
+
+    return files(got) == files(want)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_eagle3(tiny_llama_dir, tiny_llama_exports):
+    """One vLLM serving engine on the tiny Llama with the session draft's `vllm` export (fp32, ENGINE, DRAFT_K
+    tokens a cycle) for the session: the engine `eyas eval --engine vllm --steps 3` starts for that draft
+    (test_eval_vllm), and the one test_exports_vllm serves that format in; shut down at the session's end."""
+    from eyas.stages.eval_vllm import ServingEngine
+
+    with ServingEngine(str(tiny_llama_dir), dtype="fp32", engine=ENGINE, draft_dir=tiny_llama_exports["vllm"],
+                       k=DRAFT_K) as engine:
+        yield engine
+
+
 @pytest.fixture(scope="session")
 def tiny_llama_plain(tiny_llama_dir):
     """One plain vLLM serving engine on the tiny Llama (fp32, ENGINE, no draft: `eyas eval --engine vllm`'s

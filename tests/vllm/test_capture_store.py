@@ -87,8 +87,18 @@ def test_kill_9_mid_capture_then_resume_completes(stores, tiny_llama_dir, prepar
         torch.testing.assert_close(resumed[i]["aux_hidden"], whole[i]["aux_hidden"], rtol=1e-5, atol=1e-5)
 
 
-def test_a_sample_the_engine_refuses_stops_before_writing(tiny_llama_dir, prepared, tmp_path):
-    cfg = load_config("tiny", _sets(tiny_llama_dir, "vllm", {**ENGINE, "max_model_len": 40}))
-    with pytest.raises(EyasError, match=r"too long for the vLLM engine \(max_model_len 40.*s0\d\d\d"):
-        capture.run(cfg, capture.Inputs(prepared), tmp_path / "refused")
+def test_a_sample_the_engine_refuses_stops_before_writing(tiny_llama_dir, tiny_llama_features, tmp_path):
+    """Samples as long as the engine's max_model_len (ENGINE's, 512) or longer, among shorter ones: the capture, in
+    the session's tiny-Llama engine (the engine this config would start: checked by `reusing`), stops naming them."""
+    import datasets
+    from vllm_models import prepared_dir
+
+    long = prepared_dir(tmp_path / "long", num_samples=40, max_len=700)
+    lengths = [len(ids) for ids in datasets.load_from_disk(str(long / "dataset"))["input_ids"]]
+    assert 0 < sum(n >= ENGINE["max_model_len"] for n in lengths) < len(lengths)
+    cfg = load_config("tiny", _sets(tiny_llama_dir, "vllm"))
+    with reusing(tiny_llama_features) as calls:
+        with pytest.raises(EyasError, match=r"too long for the vLLM engine \(max_model_len 512.*s00\d\d"):
+            capture.run(cfg, capture.Inputs(long), tmp_path / "refused")
+    assert calls == [tmp_path / "refused" / ".vllm-states"]
     assert not list((tmp_path / "refused").glob("shard-*"))

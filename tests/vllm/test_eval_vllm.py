@@ -2,19 +2,20 @@
 draft (exported for it on the fly), then a plain engine, and writes RESULT.json whose tau and acceptance by position
 are what eyas's own engine counts on the same prompt ids (vLLM's counters equal eyas's: test_exports_vllm.py),
 cycle by cycle per turn; the output equals plain decoding. One run of the command (two engines, batch size 2) for
-the module; its plain engine is the session's plain tiny-Llama engine, which test_exports_vllm.py shares."""
+the module; its engines are the session's (the plain tiny-Llama engine and the one with the draft's vllm export),
+which test_exports_vllm.py shares, once the arguments the command asks for are checked to be theirs."""
 
 import json
 
 import pytest
-from conftest import ENGINE, require_vllm
+from conftest import DRAFT_K, ENGINE, require_vllm, same_export
 from tiny_draft import eos_ids
 
 from eyas.cli import main
 
 require_vllm()
 
-K = 3
+K = DRAFT_K
 NEW = 12
 BENCH = [{"id": "a", "prompt": "hello there"},
          {"id": "b", "messages": [{"role": "user", "content": "one"}, {"role": "assistant", "content": "x"},
@@ -29,9 +30,11 @@ def _argv(tiny_llama_dir, draft, bench, *extra):
 
 
 @pytest.fixture(scope="module")
-def evaluated(tiny_llama_dir, tiny_llama_draft, tiny_llama_plain, tmp_path_factory):
-    """The command's run; its plain engine is the session's (conftest.tiny_llama_plain), once the arguments it
-    asks for are checked to be that engine's; the engine with the draft it starts itself."""
+def evaluated(tiny_llama_dir, tiny_llama_draft, tiny_llama_plain, tiny_llama_eagle3, tiny_llama_exports,
+              tmp_path_factory):
+    """The command's run; its engines are the session's (conftest.tiny_llama_plain, and conftest.tiny_llama_eagle3
+    for the draft), once the arguments it asks for are checked to be those engines': the same model, dtype and
+    engine arguments, k, and for the draft an export with the same files as the one the session's engine serves."""
     import contextlib
 
     import eyas.stages.eval_vllm as eval_vllm
@@ -41,13 +44,14 @@ def evaluated(tiny_llama_dir, tiny_llama_draft, tiny_llama_plain, tmp_path_facto
     bench.write_text("".join(json.dumps(r) + "\n" for r in BENCH))
     out = root / "eval"
     argv = _argv(tiny_llama_dir, tiny_llama_draft, bench, "--steps", str(K), "--batch-size", "2", "--out-dir", str(out))
-    started, real = [], eval_vllm.ServingEngine
+    started = []
 
     def serving(model_dir, *, dtype, engine, draft_dir=None, k=0):
         started.append(draft_dir)
-        if draft_dir is not None:
-            return real(model_dir, dtype=dtype, engine=engine, draft_dir=draft_dir, k=k)
         assert (model_dir, dtype, engine) == (str(tiny_llama_dir), "fp32", ENGINE)
+        if draft_dir is not None:  # the command's own export of the draft (a temporary directory)
+            assert k == K and same_export(draft_dir, tiny_llama_exports["vllm"]), (draft_dir, k)
+            return contextlib.nullcontext(tiny_llama_eagle3)  # left running: the session's
         return contextlib.nullcontext(tiny_llama_plain)  # left running: the session's
 
     with pytest.MonkeyPatch.context() as mp:

@@ -3,17 +3,18 @@
 fp32. Greedy output must be plain vLLM decoding's token for token, and vLLM's counters (drafts, accepted tokens,
 accepted per position) must equal what eyas's own engine counts on the same prompt ids, request by request (one
 request per generate call, counters read around it), and so must vLLM's per-request report, cycle by cycle.
-The engines with a draft start one after the other, each once; the plain one is the session's."""
+The plain engine and the one serving the vllm export are the session's (shared with test_eval_vllm.py); the one
+serving the speculators export starts here, once."""
 
 import pytest
-from conftest import ENGINE, require_vllm
+from conftest import DRAFT_K, ENGINE, EXPORT_FORMATS, require_vllm
 from tiny_draft import chat_prompts, eos_ids
 
 require_vllm()
 
-K = 3
+K = DRAFT_K
 NEW = 16
-FORMATS = ("vllm", "speculators")
+FORMATS = EXPORT_FORMATS
 
 
 @pytest.fixture(scope="module")
@@ -37,20 +38,22 @@ def eyas_counts(tiny_llama_target, tiny_llama_draft, prompts):
 
 
 @pytest.fixture(scope="module")
-def served(tiny_llama_dir, tiny_llama_target, tiny_llama_draft, tiny_llama_plain, prompts, tmp_path_factory):
+def served(tiny_llama_dir, tiny_llama_target, tiny_llama_exports, tiny_llama_plain, tiny_llama_eagle3, prompts):
     """{"plain" | format: [per request {"tokens", "drafts", "accepted", "per_position" (vLLM's counters over the
     call), "per_cycle" (its per-request report)}]} from vLLM, one request per generate call: plain decoding in the
-    session's plain engine (conftest.tiny_llama_plain), each format in an engine of its own, one at a time."""
+    session's plain engine (conftest.tiny_llama_plain), each format in an engine of its own, one at a time: the
+    vllm export (conftest.tiny_llama_exports) in the session's engine for it (conftest.tiny_llama_eagle3), the
+    speculators export in one started here."""
     import contextlib
 
-    from eyas.formats import export
     from eyas.stages.eval_vllm import ServingEngine, sampling
 
-    exports = export(tiny_llama_draft, tmp_path_factory.mktemp("exports"), FORMATS, dtype="fp32")
+    assert tiny_llama_exports.keys() == set(FORMATS)
     params = sampling(0.0, NEW, eos_ids(tiny_llama_target))
+    shared = {None: tiny_llama_plain, tiny_llama_exports["vllm"]: tiny_llama_eagle3}
     out = {}
-    for name, draft_dir in [("plain", None), *exports.items()]:
-        started = (contextlib.nullcontext(tiny_llama_plain) if draft_dir is None else
+    for name, draft_dir in [("plain", None), *tiny_llama_exports.items()]:
+        started = (contextlib.nullcontext(shared[draft_dir]) if draft_dir in shared else
                    ServingEngine(str(tiny_llama_dir), dtype="fp32", engine=ENGINE, draft_dir=draft_dir, k=K))
         with started as engine:
             out[name] = []
