@@ -203,6 +203,8 @@ def _regenerate(cfg: RunConfig, target, template: ChatTemplate, convs: list[Conv
             continue
         if tail:  # mask: what precedes the loop and its first copy count in the loss
             loss_chars = len(response) - tail
+        elif rec.get("finish") == "length":  # cut by the token cap: the target did not end its turn there, so the
+            loss_chars = len(response)  # end of turn the template adds is context, not something to predict
         kept.append(Conversation(c.sample_id, p["messages"] + [{"role": "assistant", "content": response}],
                                  c.where, loss_chars=loss_chars))
     num_tokens = sum(int(results[c.sample_id].get("num_tokens") or 0) for c in kept)
@@ -211,7 +213,9 @@ def _regenerate(cfg: RunConfig, target, template: ChatTemplate, convs: list[Conv
     finishes = Counter(str(results[c.sample_id].get("finish")) for c in kept)
     # data.regen_loops=keep trains on loops as written (the target loops in decoding too): they are counted
     loops = repetition(results[c.sample_id] for c in kept)
-    loops.update(policy=dc.regen_loops, masked_responses=sum(c.loss_chars is not None for c in kept),
+    loops.update(policy=dc.regen_loops,
+                 masked_responses=sum(c.loss_chars is not None and c.loss_chars < len(c.messages[-1]["content"])
+                                      for c in kept),
                  dropped_responses=report.counts.get("repetition_loop", 0))
     return kept, {"mode": dc.regenerate, "results": path.name, "settings": settings, "num_responses": len(kept),
                   "num_tokens": num_tokens, "finish": dict(finishes), "repetition_loops": loops,
@@ -225,7 +229,7 @@ def _tokenize(cfg: RunConfig, template: ChatTemplate, convs: list[Conversation],
     max_len, truncate = cfg.data.max_length, cfg.data.on_long == "truncate"
     regenerated = cfg.data.regenerate is not None
     cols = {"sample_id": [], "input_ids": [], "loss_mask": []}
-    num_truncated = num_tokens = num_masked = num_unmasked_turns = num_loop_masked = 0
+    num_truncated = num_tokens = num_masked = num_unmasked_turns = num_loop_masked = num_cut_turn_ends = 0
     for start in range(0, len(convs), CHUNK):
         chunk = convs[start:start + CHUNK]
         for c, tok in zip(chunk, template.tokenize_many([c.messages for c in chunk], verbatim_last=regenerated)):
@@ -237,7 +241,11 @@ def _tokenize(cfg: RunConfig, template: ChatTemplate, convs: list[Conversation],
                 continue
             ids, mask = tok.input_ids, tok.loss_mask
             if c.loss_chars is not None:
-                num_loop_masked += _mask_from(template, c, mask)
+                taken = _mask_from(template, c, ids, mask)
+                if c.loss_chars < len(c.messages[-1]["content"]):
+                    num_loop_masked += taken
+                else:
+                    num_cut_turn_ends += taken > 0
             if not any(mask):
                 report.skip("no_assistant_tokens", c.where)
                 continue
@@ -262,23 +270,32 @@ def _tokenize(cfg: RunConfig, template: ChatTemplate, convs: list[Conversation],
     policy = {"max_length": max_len, "on_long": cfg.data.on_long, "num_truncated": num_truncated,
               "num_dropped_too_long": report.counts.get("too_long", 0)}
     # num_unmasked_turns: earlier assistant turns of kept samples that are context only
-    # num_loop_masked: tokens of repetition loops kept as context only (data.regen_loops=mask)
+    # num_loop_masked: tokens of repetition loops kept as context only (data.regen_loops=mask); num_cut_turn_ends:
+    # regenerated answers stopped by the token cap, whose end of turn is kept out of the loss
     return cols, {"length_policy": policy, "num_tokens": num_tokens, "num_loss_tokens": num_masked,
-                  "num_unmasked_turns": num_unmasked_turns, "num_loop_masked_tokens": num_loop_masked}
+                  "num_unmasked_turns": num_unmasked_turns, "num_loop_masked_tokens": num_loop_masked,
+                  "num_cut_turn_ends": num_cut_turn_ends}
 
 
-def _mask_from(template: ChatTemplate, c: Conversation, mask: list[int]) -> int:
+def _mask_from(template: ChatTemplate, c: Conversation, ids: list[int], mask: list[int]) -> int:
     """Take the last assistant turn's tokens after its first c.loss_chars characters, and its end of turn, out of
-    the loss (in place); -> how many. The kept text is counted in tokens alone, less one: where its last tokens
-    merge otherwise inside the sample, the cut falls a token or two before the loop."""
+    the loss (in place); -> how many. With the whole answer kept, that is the turn's closing stop tokens. Else the
+    kept text is counted in tokens alone, less one: where its last tokens merge otherwise inside the sample, the
+    cut falls a token or two before the loop."""
     end = len(mask)
     while end and not mask[end - 1]:
         end -= 1
     start = end
     while start and mask[start - 1]:
         start -= 1
-    kept = len(template.tokenizer(c.messages[-1]["content"][:c.loss_chars], add_special_tokens=False)["input_ids"])
-    cut = min(end, start + max(0, kept - 1))
+    content = c.messages[-1]["content"]
+    if c.loss_chars >= len(content):
+        cut = end
+        while cut > start and ids[cut - 1] in template.stop_ids:
+            cut -= 1
+    else:
+        kept = len(template.tokenizer(content[:c.loss_chars], add_special_tokens=False)["input_ids"])
+        cut = min(end, start + max(0, kept - 1))
     mask[cut:end] = [0] * (end - cut)
     return end - cut
 

@@ -74,8 +74,8 @@ class Conversation:
     messages: list[dict]  # [{"role": "system"|"user"|"assistant", "content": str}]
     where: str  # file:line (or dataset:index) of the record
     edits: tuple[str, ...] = ()  # repairs made to the record (EDITS keys), in order
-    # characters of the last assistant message that count in the loss (None: all of it, and its end of turn);
-    # the rest stays in the sample as context (data.regen_loops=mask)
+    # characters of the last assistant message that count in the loss, its end of turn left out (None: all of it
+    # and its end of turn); the rest stays in the sample as context (data.regen_loops=mask, answers cut by the cap)
     loss_chars: int | None = None
 
 

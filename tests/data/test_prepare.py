@@ -161,7 +161,9 @@ def test_regen_loops_mask_and_drop_act_on_answers_that_end_in_a_loop(tmp_path):
     # the first answer is made to end in a loop, the second to hold none (the prompts' hashes stay as they were)
     looping, plain = results[0]["id"], results[1]["id"]
     results[0]["response"] = "Intro text. " + "I like cats. " * 8
-    results[1]["response"] = "A plain answer, no loop in it."
+    results[1].update(response="A plain answer, no loop in it.", finish="stop")
+    capped = results[2]["id"]  # stopped by the token cap (as all tiny answers of 6 tokens): no end of turn to learn
+    assert results[2]["finish"] == "length"
     results_file.write_text("".join(json.dumps(r) + "\n" for r in results))
 
     assert cli_main(base) == 0  # keep: trained on as written
@@ -176,7 +178,9 @@ def test_regen_loops_mask_and_drop_act_on_answers_that_end_in_a_loop(tmp_path):
     assert cli_main(base + ["--set", "data.regen_loops=mask"]) == 0
     s = json.loads((out / "prepare.json").read_text())
     assert s["num_kept"] == 4 and s["regeneration"]["repetition_loops"]["masked_responses"] == 1
-    assert s["num_loop_masked_tokens"] == loss_tokens_kept - s["num_loss_tokens"] > 0
+    # the looping answer was cut by the cap too, so its end of turn is out of the loss with keep as well
+    assert s["num_loop_masked_tokens"] == loss_tokens_kept - s["num_loss_tokens"] + 1 > 1
+    assert s["num_cut_turn_ends"] == 2  # the two answers that end neither in a loop nor by themselves
     from eyas.target import load_target
 
     tok = load_target("tiny").tokenizer
@@ -189,6 +193,9 @@ def test_regen_loops_mask_and_drop_act_on_answers_that_end_in_a_loop(tmp_path):
     assert tok.decode(rows[looping]["input_ids"]).count("I like cats.") == 8
     whole = tok.decode([i for i, m in zip(rows[plain]["input_ids"], rows[plain]["loss_mask"]) if m])
     assert whole.startswith("A plain answer, no loop in it.") and len(whole) > len("A plain answer, no loop in it.")
+    row = rows[capped]
+    under_loss = [i for i, m in zip(row["input_ids"], row["loss_mask"]) if m]
+    assert tok.decode(under_loss) == results[2]["response"] and under_loss[-1] not in tok.all_special_ids
 
     rc = cli_main(["prepare", "--config", "tiny", "--regenerate", "none", "--set", "data.regen_loops=mask",
                    "--out", str(tmp_path / "x")])

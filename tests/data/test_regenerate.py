@@ -459,3 +459,29 @@ def test_repeated_tail_finds_the_loop_a_greedy_answer_ends_in():
     stats = repetition([{"response": loop, "num_tokens": 100}, {"response": "plain answer.", "num_tokens": 100}])
     assert stats["responses"] == 1
     assert abs(stats["token_share"] - 100 * repeated_tail(loop) / len(loop) / 200) < 1e-4
+
+
+def test_an_answer_cut_by_the_token_cap_leaves_its_end_of_turn_out_of_the_loss(tmp_path, smollm2):
+    """SmolLM2's template closes every assistant turn with <|im_end|>; the target writes it only where it ends
+    its answer. An answer stopped by data.regen_max_new_tokens is trained on without it."""
+    from eyas.config import apply_overrides, preset
+    from eyas.data import load_prepared
+    from eyas.data.prepare import prepare
+
+    src = tmp_path / "d.jsonl"
+    src.write_text(json.dumps({"id": "short", "messages": [
+        {"role": "user", "content": "What is the capital of France?"}]})
+        + "\n" + json.dumps({"id": "long", "prompt": "Write a long story about a dragon."}) + "\n")
+    cfg = apply_overrides(preset("demo"), {"data": {"data": [str(src)], "num_prompts": 0, "regen_max_new_tokens": 24}})
+    summary = prepare(cfg, tmp_path / "out", smollm2)
+    results = {json.loads(line)["id"]: json.loads(line) for line in
+               (tmp_path / "out" / summary["regeneration"]["results"]).read_text().splitlines()}
+    assert results["short"]["finish"] == "stop" and results["long"]["finish"] == "length", results
+    assert summary["num_cut_turn_ends"] == 1
+    end_of_turn = smollm2.tokenizer.convert_tokens_to_ids("<|im_end|>")
+    rows = {r["sample_id"]: r for r in load_prepared(tmp_path / "out")}
+    for sid, ends_itself in (("short", True), ("long", False)):
+        under_loss = [i for i, m in zip(rows[sid]["input_ids"], rows[sid]["loss_mask"]) if m]
+        assert (under_loss[-1] == end_of_turn) is ends_itself, sid
+        assert smollm2.tokenizer.decode(under_loss, skip_special_tokens=True) == results[sid]["response"]
+        assert end_of_turn in rows[sid]["input_ids"]  # the turn is still closed in the sample's context
