@@ -131,4 +131,3 @@ def _loop_policy(loops: dict, summary: dict) -> str:
     if loops.get("policy") == "drop":
         return f"; dropped: {loops.get('dropped_responses', 0)} looping responses"
     return ""
-

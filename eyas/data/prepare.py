@@ -188,7 +188,7 @@ def _regenerate(cfg: RunConfig, target, template: ChatTemplate, convs: list[Conv
                                       stop_token_ids=template.stop_ids if dc.stop_tokens else None,
                                       chat_template_kwargs=dc.chat_template_kwargs or None)
     seconds = time.perf_counter() - t0
-    kept = []
+    kept, num_masked_loops = [], 0
     for c, p in zip(convs, prompts):
         rec = results.get(c.sample_id)
         if not answers(rec, p["messages"]):
@@ -203,6 +203,7 @@ def _regenerate(cfg: RunConfig, target, template: ChatTemplate, convs: list[Conv
             continue
         if tail:  # mask: what precedes the loop and its first copy count in the loss
             loss_chars = len(response) - tail
+            num_masked_loops += 1
         elif rec.get("finish") == "length":  # cut by the token cap: the target did not end its turn there, so the
             loss_chars = len(response)  # end of turn the template adds is context, not something to predict
         kept.append(Conversation(c.sample_id, p["messages"] + [{"role": "assistant", "content": response}],
@@ -213,9 +214,7 @@ def _regenerate(cfg: RunConfig, target, template: ChatTemplate, convs: list[Conv
     finishes = Counter(str(results[c.sample_id].get("finish")) for c in kept)
     # data.regen_loops=keep trains on loops as written (the target loops in decoding too): they are counted
     loops = repetition(results[c.sample_id] for c in kept)
-    loops.update(policy=dc.regen_loops,
-                 masked_responses=sum(c.loss_chars is not None and c.loss_chars < len(c.messages[-1]["content"])
-                                      for c in kept),
+    loops.update(policy=dc.regen_loops, masked_responses=num_masked_loops,
                  dropped_responses=report.counts.get("repetition_loop", 0))
     return kept, {"mode": dc.regenerate, "results": path.name, "settings": settings, "num_responses": len(kept),
                   "num_tokens": num_tokens, "finish": dict(finishes), "repetition_loops": loops,
