@@ -23,8 +23,8 @@ tokens in one forward over the block [x_N, mask, ...] at positions N.., attendin
 fused target features of the committed tokens 0..N-1. Verification and acceptance are as above (its guesses
 are greedy, so a deterministic proposal: sampling stays exact); the context then grows by the target's aux
 states of x_N and the accepted tokens (the bonus has none yet: it anchors the next block). DFlash defines
-no tree, and its decoding has no static path yet: an engine made with static=True for a DFlash draft decodes
-on the dynamic path (plain decoding too, so speedups compare like with like) and says so once.
+no tree. Its greedy chains have a static path too (graph_dflash.py: CUDA graphs on a GPU); its draft passes
+are not compiled (compile_draft is EAGLE-3's, and an engine asked for it says so once).
 """
 
 from __future__ import annotations
@@ -114,7 +114,7 @@ class SpecEngine:
         compile_draft: a torch.compile backend ("inductor") for the draft's passes on the static path
         (graphs.GraphDecoder); None: eager.
         A DFlash draft reads the target's states at draft.cfg.target_layers (aux_layers may be None or must
-        equal them); static and compile_draft are EAGLE-3 only and fall back to the dynamic path, said once."""
+        equal them); its static path runs the draft uncompiled (compile_draft is dropped, said once)."""
         self.method = draft_method(draft)
         if self.method == "dflash":
             if aux_layers is not None and list(aux_layers) != list(draft.cfg.target_layers):
@@ -125,10 +125,10 @@ class SpecEngine:
             if not all(1 <= i <= num_layers - 1 for i in aux_layers):  # hooks read residual states 1..L-1
                 raise ValueError(f"the DFlash draft's target layers {aux_layers} must lie in 1..{num_layers - 1} "
                                  f"(HF hidden_states ids of this {num_layers}-layer target)")
-            if static or compile_draft:
-                print0("DFlash draft: CUDA graphs and the compiled draft are EAGLE-3 only for now; speculative and "
-                       "plain decoding run on the dynamic (eager) path")
-                static, compile_draft = False, None
+            if compile_draft:
+                print0("DFlash draft: the compiled draft is EAGLE-3 only; the DFlash passes run uncompiled"
+                       + (" (in CUDA graphs where the static path runs)" if static else ""))
+                compile_draft = None
         elif self.method not in (None, "eagle3"):
             raise ValueError(f"draft method {self.method!r}: the engine decodes with eagle3 or dflash drafts")
         if compile_draft and not static:
@@ -222,6 +222,8 @@ class SpecEngine:
             if not 1 <= steps <= block - 1:
                 raise ValueError(f"steps={steps}: a DFlash draft of block_size {block} guesses 1..{block - 1} "
                                  f"tokens per cycle")
+            if self.static and temperature == 0:
+                return self._static(prompt, max_new_tokens, eos, steps, None)
             with varying_shape_attention():
                 return self._dflash(prompt, max_new_tokens, steps, temperature, eos, generator)
         if self.static and temperature == 0:
@@ -383,14 +385,17 @@ class SpecEngine:
         try:
             if steps is not None:
                 dec = self._static_decoder(chain_capacity(n, max_new_tokens, steps))
-                dec._chain_buffers(steps)  # captured before the clock starts (once per chain length)
+                # captured before the clock starts (once per chain length)
+                dec._dflash_buffers(steps) if self.method == "dflash" else dec._chain_buffers(steps)
             else:
                 dec = self._static_decoder(tree_capacity(n, max_new_tokens, *tree))
                 dec._tree_buffers(*tree)  # captured before the clock starts (once per tree shape)
             dec.ready_prefill(n, with_draft=True)  # and the prefill (once per padded length)
             self._sync()
             t0 = time.perf_counter()
-            if steps is not None:
+            if self.method == "dflash":
+                dec.dflash_chain(prompt, max_new_tokens, steps, eos, res, self.sync_timing)
+            elif steps is not None:
                 dec.chain(prompt, max_new_tokens, steps, eos, res, self.sync_timing)
             else:
                 dec.tree(prompt, max_new_tokens, tuple(tree), eos, res, self.sync_timing)

@@ -1,4 +1,4 @@
-"""Greedy decoding with fixed shapes, replayed as CUDA graphs: plain decoding, EAGLE-3 chains and trees.
+"""Greedy decoding with fixed shapes, replayed as CUDA graphs: plain decoding, EAGLE-3 chains and trees, DFlash chains.
 
 A CUDA graph fixes every shape and every address (graph_steps.py: why graphs pay for a small target, how
 results reach the host), so in this path everything has one:
@@ -11,8 +11,8 @@ results reach the host), so in this path everything has one:
 - the committed length n and the last cycle's accepted count a live in device scalars; the graphs
   update them themselves (n += a + 1), so the host never has to wait for the device to go on.
 
-The passes of each mode are made in graph_modes.py (plain steps, chains and the rebuild) and graph_tree.py
-(trees); this module holds the decoder's state, the passes' shared calls of the target and the draft, the
+The passes of each mode are made in graph_modes.py (plain steps, chains and the rebuild), graph_tree.py
+(trees) and graph_dflash.py (DFlash chains: the draft's context in a fixed store per layer); this module holds the decoder's state, the passes' shared calls of the target and the draft, the
 prefill and the host's side of decoding. Cycles queued after the end of the text (one at most, or two plain
 steps) are dropped unread; their time counts in `total_s`, as it does for a serving engine that runs ahead.
 
@@ -35,6 +35,7 @@ import time
 import torch
 
 from eyas.draft.model import DraftOutput
+from eyas.speculative.graph_dflash import context_stores, dflash_buffers, write_context
 from eyas.speculative.graph_modes import chain_buffers, plain_buffers
 from eyas.speculative.graph_steps import _Step, allow_recompiles, compiled_pass
 from eyas.speculative.graph_tree import _stable_order, tree_buffers  # noqa: F401 (_stable_order: tests import it here)
@@ -80,7 +81,13 @@ class GraphDecoder:
         self.n = torch.zeros((), dtype=torch.long, device=dev)  # committed length = position of the pending token
         self.a = torch.zeros((), dtype=torch.long, device=dev)  # drafts accepted by the last verification
         self.steps: dict = {}
-        if draft is not None:
+        self.dflash = getattr(draft, "method", None) == "dflash"
+        if self.dflash:  # the draft's context: each layer's keys and values, one fixed store per layer
+            if compile_draft:
+                raise ValueError("compile_draft: DFlash passes are captured uncompiled")
+            self.ddtype = next(draft.parameters()).dtype
+            self.dctx = context_stores(draft, capacity, dev)
+        elif draft is not None:
             if not hasattr(draft, "cfg"):
                 raise ValueError("the static (CUDA graph) path needs an Eagle3Draft, not a scripted draft")
             dc = draft.cfg
@@ -105,7 +112,7 @@ class GraphDecoder:
         self.width = width
         self.wcols = self.cols[:width]  # the mask's columns
         self.cache.width = width
-        if self.draft is not None:
+        if self.draft is not None and not self.dflash:
             self.dcache.width = self.capacity if self.draft_full_width else width
             self.dcols = self.cols if self.draft_full_width else self.wcols  # the draft's mask columns
 
@@ -181,6 +188,11 @@ class GraphDecoder:
             self.steps[key] = tree_buffers(self, topk, depth, total)
         return self.steps[key]
 
+    def _dflash_buffers(self, k: int) -> dict:
+        if ("dflash", k) not in self.steps:
+            self.steps[("dflash", k)] = dflash_buffers(self, k)
+        return self.steps[("dflash", k)]
+
     def _plain_buffers(self) -> dict:
         if "plain" not in self.steps:
             self.steps["plain"] = plain_buffers(self)
@@ -207,7 +219,9 @@ class GraphDecoder:
         def prefill():
             logits, aux = self._target(b["ids"], positions, aux=with_draft, keep=b["last"])
             b["pending"].copy_(logits[0].argmax(-1, keepdim=True))
-            if with_draft:  # the draft's row t pairs the target's state at t with token t + 1
+            if with_draft and self.dflash:  # every padded row's features: those past n are never attended
+                write_context(self, aux, positions)
+            elif with_draft:  # the draft's row t pairs the target's state at t with token t + 1
                 tokens = b["next"].index_copy(1, b["last"], b["pending"].view(1, 1))
                 out = self._draft(self.draft.fuse(aux.to(self.ddtype))[None], tokens, positions)
                 self.hidden.copy_(out.hidden_out.index_select(1, b["last"]))
@@ -253,7 +267,9 @@ class GraphDecoder:
         with varying_shape_attention():  # a new length each prompt: no per-shape cuDNN plans
             logits, aux = self._target(prompt, positions, aux=with_draft, last_only=True)
             pending = logits[-1].argmax(-1, keepdim=True)  # [1]
-            if with_draft:
+            if with_draft and self.dflash:
+                write_context(self, aux, positions)
+            elif with_draft:
                 out = self._draft(self.draft.fuse(aux.to(self.ddtype))[None],
                                   torch.cat([prompt[0, 1:], pending])[None], positions)
                 self.hidden.copy_(out.hidden_out[:, -1:])
@@ -298,6 +314,20 @@ class GraphDecoder:
 
         self._cycles(prompt, max_new, self._chain_buffers(k), "chain", read, k + 1, 2 * k, eos, res, sync_timing,
                      span=k + 1, advance=k + 1)
+
+    def dflash_chain(self, prompt: torch.Tensor, max_new: int, k: int, eos: set[int], res, sync_timing: bool) -> None:
+        """Greedy DFlash chains of k guesses into `res`, cycles queued as for EAGLE-3's chains. A cycle feeds the
+        draft its block and k + 1 context rows (all the verified ones: a fixed shape)."""
+        n = prompt.shape[1]
+        if chain_capacity(n, max_new, k) > self.capacity:
+            raise RuntimeError(f"{n} + {max_new} tokens and chains of {k} do not fit a static cache of {self.capacity}")
+
+        def read(got: list[int]) -> tuple[list[int], int, int]:
+            guesses, best, a = got[:k], got[k:2 * k + 1], got[2 * k + 1]
+            return guesses[:a] + [best[a]], a, k
+
+        self._cycles(prompt, max_new, self._dflash_buffers(k), "chain", read, k + 1,
+                     self.draft.cfg.block_size + k + 1, eos, res, sync_timing, span=k + 1, advance=k + 1)
 
     def tree(self, prompt: torch.Tensor, max_new: int, tree: tuple[int, int, int], eos: set[int], res,
              sync_timing: bool) -> None:

@@ -29,6 +29,27 @@ def test_dflash_lossless_fp32_cuda(k):
     assert res.tokens == ref and res.num_cycles > 0
 
 
+@pytest.mark.parametrize("k", [3, 15])
+def test_dflash_cuda_graphs_lossless_fp32(k):
+    """The static path captured as CUDA graphs: plain greedy decoding's tokens and the eager path's cycles,
+    for two prompts on one engine (graphs replayed at a second length)."""
+    target = load_target("tiny", device="cuda", dtype="fp32")
+    cfg = DFlashConfig.from_target_config(target.config.to_dict(), target_layers=[1, 2, 3],
+                                          mask_token_id=target.vocab_size - 1, num_layers=2, block_size=16)
+    torch.manual_seed(0)
+    draft = DFlashDraft(cfg)
+    draft.embed_tokens.weight.data.copy_(target.embed_tokens.weight.detach())
+    draft.lm_head.weight.data.copy_(target.lm_head.weight.detach())
+    draft = draft.to("cuda").eval()
+    graphed = SpecEngine(target.model, draft, static=True)
+    for prompt in (PROMPT, PROMPT * 5):
+        ref = SpecEngine(target.model).plain_generate(prompt, 64).tokens
+        res = graphed.generate(prompt, 64, steps=k)
+        assert res.tokens == ref and res.num_cycles > 0
+        assert res.accepted_per_cycle == SpecEngine(target.model, draft).generate(prompt, 64, steps=k).accepted_per_cycle
+    assert graphed._decoder.graphs
+
+
 def test_dflash_trains_on_cuda_bf16(tmp_path):
     sys.path.insert(0, str(Path(__file__).parent.parent / "train"))
     from synthetic_train import small_config, synthetic_source

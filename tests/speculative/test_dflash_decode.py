@@ -82,11 +82,81 @@ def test_tree_and_bad_steps_are_refused(tiny_target):
         SpecEngine(tiny_target.model, dflash_draft(tiny_target), aux_layers=[1, 2])
 
 
-def test_static_falls_back_to_the_dynamic_path_and_says_so(tiny_target, capsys):
+@pytest.mark.parametrize("k", [1, 3, BLOCK - 1])
+def test_static_path_is_lossless_and_matches_the_dynamic_one(tiny_target, k):
+    """The static path (its passes run eagerly on the CPU, as they are captured on a GPU) gives plain greedy
+    decoding's tokens and the dynamic path's cycles, over prompts of several lengths on one engine (its
+    buffers and context stores reused)."""
+    draft = dflash_draft(tiny_target)
+    static, dynamic = SpecEngine(tiny_target.model, draft, static=True), SpecEngine(tiny_target.model, draft)
+    for prompt in (PROMPT, PROMPT[:4], PROMPT * 3):
+        got, want = static.generate(prompt, 30, steps=k), dynamic.generate(prompt, 30, steps=k)
+        assert got.tokens == want.tokens == SpecEngine(tiny_target.model).plain_generate(prompt, 30).tokens
+        assert got.accepted_per_cycle == want.accepted_per_cycle
+        assert got.target_tokens_per_cycle == [k + 1] * got.num_cycles
+        assert got.draft_tokens_per_cycle == [BLOCK + k + 1] * got.num_cycles
+
+
+def test_static_path_with_an_eager_prefill(tiny_target, monkeypatch):
+    """PREFILL_STEP = 0: the prompt's features are written at its own length, without padding rows."""
+    from eyas.speculative import graphs
+
+    monkeypatch.setattr(graphs, "PREFILL_STEP", 0)
+    draft = dflash_draft(tiny_target)
+    res = SpecEngine(tiny_target.model, draft, static=True).generate(PROMPT, 24, steps=3)
+    assert res.tokens == plain(tiny_target, 24)
+    assert res.accepted_per_cycle == SpecEngine(tiny_target.model, draft).generate(PROMPT, 24, steps=3).accepted_per_cycle
+
+
+@pytest.mark.parametrize("k", [1, BLOCK - 1])
+def test_static_oracle_accepts_every_guess(tiny_target, k):
+    """A draft that is always right: every cycle accepts all k guesses on the static path too, so its context
+    rows and the pending token move exactly as the verified tokens do."""
+    cycles = 5
+    n = 1 + cycles * (k + 1)
+    ref = plain(tiny_target, n + BLOCK)
+    draft = dflash_draft(tiny_target, OracleDFlash, sequence=PROMPT + ref)
+    res = SpecEngine(tiny_target.model, draft, static=True).generate(PROMPT, n, steps=k)
+    assert res.tokens == ref[:n] and res.accepted_per_cycle == [k] * cycles
+
+
+def test_static_context_holds_the_committed_features(tiny_target):
+    """After a static generation the context stores hold, at slots 0..n-1, the features of the prompt and of
+    every committed token, as one full forward of the target gives them."""
+    from eyas.speculative import graphs
+
+    k, n = 3, 20
+    ref = plain(tiny_target, n + BLOCK)
+    draft = dflash_draft(tiny_target, OracleDFlash, sequence=PROMPT + ref[:9] + [0] * 50)  # right, then wrong
+    engine = SpecEngine(tiny_target.model, draft, static=True)
+    res = engine.generate(PROMPT, n, steps=k)
+    assert res.tokens == ref[:n] and 0 in res.accepted_per_cycle and k in res.accepted_per_cycle
+    dec = engine._decoder
+    assert isinstance(dec, graphs.GraphDecoder)
+    length = len(PROMPT) + sum(a + 1 for a in res.accepted_per_cycle)  # the static path also appends the last cycle's
+    assert int(dec.n) == length
+    seq = torch.tensor([PROMPT + ref[:length - len(PROMPT)]])
+    with torch.no_grad():
+        states = tiny_target.model(input_ids=seq, output_hidden_states=True).hidden_states
+        aux = torch.cat([states[i][0] for i in LAYERS], dim=-1)
+        want = draft.context_kv(draft.fuse(aux)[None], torch.arange(length)[None])
+    for (k_store, v_store), (k_want, v_want) in zip(dec.dctx, want):
+        torch.testing.assert_close(k_store[:, :, :length], k_want, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(v_store[:, :, :length], v_want, atol=1e-4, rtol=1e-4)
+
+
+def test_compiled_draft_is_dropped_and_said(tiny_target, capsys):
     engine = SpecEngine(tiny_target.model, dflash_draft(tiny_target), static=True, compile_draft="inductor")
-    assert not engine.static and engine.compile_draft is None
-    assert "CUDA graphs and the compiled draft are EAGLE-3 only" in capsys.readouterr().out
+    assert engine.static and engine.compile_draft is None
+    assert "the compiled draft is EAGLE-3 only" in capsys.readouterr().out
     assert engine.generate(PROMPT, 10, steps=2).tokens == plain(tiny_target, 10)
+
+
+def test_sampling_keeps_the_dynamic_path(tiny_target):
+    engine = SpecEngine(tiny_target.model, dflash_draft(tiny_target), static=True)
+    gen = torch.Generator().manual_seed(3)
+    res = engine.generate(PROMPT, 12, steps=3, temperature=1.0, generator=gen)
+    assert len(res.tokens) == 12 and engine._decoder is None and engine.context is not None
 
 
 def test_context_holds_the_committed_features(tiny_target):
