@@ -21,8 +21,8 @@ from pathlib import Path
 
 from eyas.common import EyasError, atomic_write_json, print0, progress, sha256_json
 from eyas.speculative.engine import SpecEngine
-from eyas.speculative.stats import (first_difference, format_margins, format_summary, is_near_tie, margin_summary,
-                                    ngram_summary, plot_acceptance, repeat_summary, summarize)
+from eyas.speculative.stats import (first_difference, format_margins, format_summary, is_near_tie, logit_steps,
+                                    margin_summary, ngram_summary, plot_acceptance, repeat_summary, summarize)
 
 BUILTIN = ("mt-bench", "humaneval")
 
@@ -246,12 +246,14 @@ def plain_divergence(model, device, prompt_ids: list[int], plain: list[int], tok
     try:
         with torch.no_grad():
             x = torch.tensor([list(prompt_ids) + list(plain[:i])], device=device)
-            logits = model(input_ids=x, attention_mask=torch.ones_like(x)).logits[0, -1].float()  # [V]
+            raw = model(input_ids=x, attention_mask=torch.ones_like(x)).logits[0, -1]  # [V], the target's dtype
+            logits = raw.float()
     except (AttributeError, TypeError, RuntimeError) as e:  # a target without an HF forward: position only
         return {**out, "margin": None, "error": f"{type(e).__name__}: {e}"[:200]}
     top = logits.topk(2)
     margin, top_logit = float(top.values[0] - top.values[1]), float(top.values[0])
     out.update(margin=margin, top_logit=top_logit,
+               margin_steps=logit_steps(margin, top_logit, torch.finfo(raw.dtype).eps),
                plain_is_top1=out["plain_token"] == int(top.indices[0]) if out["plain_token"] is not None else None,
                spec_token_rank=int((logits > logits[spec_token]).sum()) + 1 if spec_token is not None else None,
                near_tie=is_near_tie(margin, top_logit))

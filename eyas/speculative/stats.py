@@ -9,6 +9,8 @@ Acceptance at position i = share of cycles whose first i draft tokens were all a
 
 from __future__ import annotations
 
+import math
+
 
 def position_acceptance(accepted: list[int], depth: int) -> tuple[list[float], list[float]]:
     """-> (unconditional [depth], conditional [depth]) acceptance rates per draft position."""
@@ -99,6 +101,15 @@ def is_near_tie(margin: float, top_logit: float) -> bool:
     return margin < max(NEAR_TIE_ABS, NEAR_TIE_REL * abs(top_logit))
 
 
+def logit_steps(margin: float, top_logit: float, eps: float) -> float:
+    """The margin in units of the spacing between representable values at the top-1 logit, for a float format of
+    machine epsilon `eps` (bf16 2**-7: 0.125 between 16 and 32, 0.25 between 32 and 64). Logits computed in bf16 lie
+    on that grid, so a margin of one or two steps is one or two roundings."""
+    if top_logit == 0:
+        return float("inf") if margin else 0.0
+    return margin / (eps * 2.0 ** math.floor(math.log2(abs(top_logit))))
+
+
 def margin_summary(divergences: list[dict]) -> dict:
     """The distribution of the plain path's top-2 margins at the first differing token of each turn that
     differs (bench.plain_divergence): count, min/median/max (None without any) and how many are near ties."""
@@ -107,16 +118,22 @@ def margin_summary(divergences: list[dict]) -> dict:
     median = None if not n else margins[n // 2] if n % 2 else (margins[n // 2 - 1] + margins[n // 2]) / 2
     return {"count": len(divergences), "measured": n, "min": margins[0] if n else None, "median": median,
             "max": margins[-1] if n else None, "near_ties": sum(1 for d in divergences if d.get("near_tie")),
-            "near_tie_rule": NEAR_TIE_RULE}
+            "near_tie_rule": NEAR_TIE_RULE,
+            # in steps of the logits' own format at the top-1 logit (plain_divergence's margin_steps)
+            "max_steps": max(steps) if (steps := [d["margin_steps"] for d in divergences
+                                                  if d.get("margin_steps") is not None]) else None,
+            "within_2_steps": sum(1 for s in steps if s <= 2)}
 
 
 def format_margins(m: dict) -> str:
     """One line for eval's output under the warning about turns that differ from plain decoding."""
     if not m["measured"]:
         return "  no margin measured at the first differing tokens"
+    steps = (f"; {m['within_2_steps']} within 2 steps of the logits' format at the top-1 logit (largest "
+             f"{m['max_steps']:.3g})" if m.get("max_steps") is not None else "")
     return (f"  first differing tokens: plain top-2 logit margin min {m['min']:.4g}, median {m['median']:.4g}, max "
             f"{m['max']:.4g} over {m['measured']} turns; {m['near_ties']} near ties ({m['near_tie_rule']}; "
-            f"teacher-forced forward of the target on the plain prefix)")
+            f"teacher-forced forward of the target on the plain prefix){steps}")
 
 
 NGRAM_MIN, NGRAM_MAX = 1, 3  # the n-gram lengths n-gram lookup tries, longest first (vLLM's ngram defaults)

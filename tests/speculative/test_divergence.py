@@ -10,7 +10,7 @@ import torch
 import eyas.speculative.bench as bench
 import eyas.speculative.engine as engine_mod
 from eyas.cli import main
-from eyas.speculative.stats import first_difference, is_near_tie, margin_summary
+from eyas.speculative.stats import first_difference, is_near_tie, logit_steps, margin_summary
 from test_eval_cli import save_step_dir
 
 PERTURBED_CYCLE = 2  # the second verification after the warm-up
@@ -29,6 +29,19 @@ def test_margin_summary_and_near_ties():
                         {"margin": 2.0, "near_tie": False}, {"margin": None}])
     assert (s["count"], s["measured"], s["min"], s["median"], s["max"], s["near_ties"]) == (4, 3, 0.01, 0.3, 2.0, 1)
     assert margin_summary([])["median"] is None and margin_summary([])["count"] == 0
+    assert s["max_steps"] is None and s["within_2_steps"] == 0  # no divergence says its steps
+
+
+def test_margins_in_steps_of_the_logits_format():
+    bf16 = torch.finfo(torch.bfloat16).eps
+    assert logit_steps(0.25, 32.25, bf16) == 1.0 and logit_steps(0.5, 32.25, bf16) == 2.0  # 0.25 apart above 32
+    assert logit_steps(0.125, 31.0, bf16) == 1.0 and logit_steps(0.0, 5.0, bf16) == 0.0  # 0.125 apart below 32
+    assert logit_steps(0.25, -20.0, bf16) == 2.0
+    # every bf16 number between 16 and 32 is a multiple of that step: the count is exact
+    a, b = torch.tensor([27.375, 26.875], dtype=torch.bfloat16).tolist()
+    assert logit_steps(a - b, a, bf16) == 4.0
+    s = margin_summary([{"margin": 0.25, "margin_steps": 1.0}, {"margin": 1.0, "margin_steps": 4.0}])
+    assert s["max_steps"] == 4.0 and s["within_2_steps"] == 1
 
 
 def test_eval_records_the_first_differing_token_and_its_margin(tmp_path, tiny_target, monkeypatch, capsys):
@@ -85,6 +98,7 @@ def test_eval_records_the_first_differing_token_and_its_margin(tmp_path, tiny_ta
     assert d["margin"] == pytest.approx(float(top.values[0] - top.values[1]), abs=1e-5)
     assert d["top_logit"] == pytest.approx(float(top.values[0]), abs=1e-5)
     assert d["near_tie"] == is_near_tie(d["margin"], d["top_logit"])
+    assert d["margin_steps"] == pytest.approx(logit_steps(d["margin"], d["top_logit"], torch.finfo(torch.float32).eps))
 
     m = s["plain_mismatch_margins"]
     assert m["count"] == m["measured"] == 1 and m["min"] == m["median"] == m["max"] == d["margin"]
@@ -92,6 +106,7 @@ def test_eval_records_the_first_differing_token_and_its_margin(tmp_path, tiny_ta
     printed = capsys.readouterr().out
     assert "warning: 1 turns differ from plain greedy decoding" in printed
     assert f"plain top-2 logit margin min {d['margin']:.4g}" in printed and "near ties" in printed
+    assert m["max_steps"] == d["margin_steps"] and f"largest {d['margin_steps']:.3g})" in printed
 
 
 def test_equal_turns_record_no_divergence(tmp_path, tiny_target):
