@@ -1,0 +1,46 @@
+#!/bin/bash
+# The full preset's draft on the whole benchmarks, and a DFlash draft from the same store beside it, on one GPU:
+# prepare and capture once, train the families asked for side by side (same store, same epochs, same GPU), then
+# evaluate in the order given, one process per entry, each writing one JSON per setting as it finishes (an eval
+# cut short keeps its finished requests in a journal, and a rerun decodes only the rest). Ends with the table of
+# every result (bench/eval_table.py). A rerun in the same W skips the finished phases.
+#
+#   W=DIR bash bench/preset_quality.sh
+#   env: CONFIG (default full), FAMILIES (default "eagle3 dflash"; each trains into W/<family>),
+#        DSET (more --set for the DFlash training; default "--set dflash.layers=5", the released drafts' depth),
+#        XSET (more --set for every stage), PY (default python3),
+#        EVALS (what to evaluate, in order, "FAMILY:BENCH:EXTRA ARGS" separated by '|'; default: EAGLE-3 on
+#        HumanEval then MT-bench with the preset's chains and tree, then DFlash on both with chains 3, 7 and its
+#        block), EVX (extra arguments for every eval, e.g. "--max-new-tokens 128")
+#
+# Timestamps of each phase go to W/times.txt, each command's output to W/<phase>.log. Evals run one at a time on a
+# quiet GPU, so their speedups stand; the trainings share it, so their rates do not (rerun one alone for that).
+CONFIG=${CONFIG:-full}; FAMILIES=${FAMILIES:-eagle3 dflash}; DSET=${DSET:---set dflash.layers=5}; PY=${PY:-python3}
+EVALS=${EVALS:-eagle3:humaneval:|eagle3:mt-bench:|dflash:humaneval:--set eval.steps=[3,7]|dflash:mt-bench:--set eval.steps=[3,7]}
+W=${W:?set W to a work directory}; mkdir -p "$W"; cd "${REPO:-$(dirname "$0")/..}" || exit 1
+t() { echo "$(date +%s) $(date +%T) $*" >> "$W/times.txt"; }
+t start "$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)"
+[ -f "$W/.prepared" ] || { $PY -m eyas prepare --config "$CONFIG" ${XSET:-} --out "$W/prep" > "$W/prepare.log" 2>&1 \
+  || { t prepare-FAILED; exit 1; }; touch "$W/.prepared"; }
+t prepared
+[ -f "$W/.captured" ] || { $PY -m eyas capture --config "$CONFIG" ${XSET:-} --data "$W/prep" --out "$W/store" \
+  > "$W/capture.log" 2>&1 || { t capture-FAILED; exit 1; }; touch "$W/.captured"; }
+t captured
+for family in $FAMILIES; do
+  [ -f "$W/.trained-$family" ] && continue
+  extra=""; [ "$family" = dflash ] && extra="--set train.method=dflash $DSET"
+  ( $PY -m eyas train --config "$CONFIG" ${XSET:-} $extra --store "$W/store" --out "$W/$family" --resume \
+      > "$W/train-$family.log" 2>&1; rc=$?; t "trained-$family-rc$rc"; [ $rc = 0 ] && touch "$W/.trained-$family" ) &
+done
+wait
+IFS='|' read -ra evals <<< "$EVALS"
+for i in "${!evals[@]}"; do
+  IFS=':' read -r family bench args <<< "${evals[$i]}"
+  [ -f "$W/.trained-$family" ] || { t "eval-$i-skipped-no-$family-draft"; continue; }
+  [ -f "$W/.eval-$i" ] && continue
+  $PY -m eyas eval --config "$CONFIG" ${XSET:-} --draft "$W/$family" --bench "$bench" --limit 0 --no-hf-baseline \
+    $args ${EVX:-} --out-dir "$W/eval-$family" > "$W/eval-$i-$family-$bench.log" 2>&1; rc=$?
+  t "eval-$i-$family-$bench-rc$rc"; [ $rc = 0 ] && touch "$W/.eval-$i"
+done
+$PY bench/eval_table.py "$W"/eval-* | tee "$W/table.md"
+t ALL-DONE
