@@ -283,7 +283,9 @@ class TrainConfig:
     # of the element-wise time of a SmolLM2-sized step): 2.21x faster steps on an H200, same loss (the full
     # preset turns it on; docs/PERFORMANCE.md). Costs about 80 s of compiling once
     compile_loss: bool = False
-    val_samples: int = 0  # samples held out of training, scored every val_every steps (0 = none)
+    # samples held out of training, scored every val_every steps (0 = none): simulated tau over all their answer
+    # tokens and over those outside repeats (val_tau_fresh), which regenerated answers hold more of than benchmarks
+    val_samples: int = 0
     val_every: int = 100  # optimizer steps between held-out scorings (and at the last step)
     # start from this draft's weights and vocabulary (a run dir, checkpoint or export eyas can load) instead of
     # a fresh draft: fine-tuning on this run's data, with a fresh optimizer and schedule ("" = a new draft)

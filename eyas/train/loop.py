@@ -32,6 +32,7 @@ from eyas.draft import DraftConfig, Eagle3Draft
 from eyas.train import checkpoint as ckpt
 from eyas.train import dist, guards
 from eyas.train.data import pad_rows
+from eyas.speculative.stats import REPEAT_NGRAM
 from eyas.train.metrics import MetricsLogger, peak_memory_gib
 from eyas.train.source import TrainSource
 from eyas.train.ttt import LossSpec, TTTResult, draft_step, simulated_tau, ttt_forward
@@ -471,7 +472,8 @@ def _finish(tc, run_dir: Path, draft: Eagle3Draft, state: dict, logger: MetricsL
         if "val_acc_0" in last:
             held = (f"; on {tc.val_samples} held-out samples acc_0..{tc.ttt - 1} "
                     + " ".join(f"{last[f'val_acc_{k}']:.2f}" for k in range(tc.ttt))
-                    + f", simulated tau {last['val_tau_sim']:.2f}")
+                    + f", simulated tau {last['val_tau_sim']:.2f} ({last['val_tau_fresh']:.2f} outside repeats, "
+                      f"{last['val_fresh_share']:.0%} of the tokens)")
         print0(f"trained {total_steps} steps in {summary['wall_s']:.0f} s ({summary['tokens_per_s']:,.0f} tok/s); "
                f"final loss {last.get('loss', float('nan')):.3f}, acc_0..{tc.ttt - 1} {accs} on the last training "
                f"batches, simulated tau {last.get('tau_sim', float('nan')):.2f}{held}; checkpoint {run_dir / 'latest'}")
@@ -483,20 +485,52 @@ def score_held_out(model, val_batcher, lm_head_weight, autocast, info, tc, compi
 
     A compiled draft step keeps autograd on here: its graphs were traced for training, and a no-grad call
     would compile them all again. Nothing is backpropagated; DDP's wrapper is bypassed for the same reason.
+
+    A second pass scores the same samples with the loss mask cut to the tokens outside repeats (`repeat_mask`):
+    a draft predicts a repeated stretch, such as a loop of the target's, almost perfectly, and a benchmark's
+    answers repeat less than regenerated training answers, so `val_tau_fresh` is the figure closer to the tau
+    eval reports outside repeats; `val_fresh_share` is the share of loss tokens it covers.
     """
-    window = _Window(tc.ttt)
+    window, fresh = _Window(tc.ttt), _Window(tc.ttt)
+    loss_tokens = [0.0, 0.0]  # [all, outside repeats] over this rank's samples
     module = model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
     with torch.enable_grad() if compiled else torch.no_grad():
         for indices in val_batcher.plan(0):
             batch = val_batcher.collate(indices, info.device)
-            with autocast():
-                res = module(batch, lm_head_weight)
-            window.add(res, int(batch["attention_mask"].sum()))  # reads the statistics only
-            del res, batch  # frees the autograd graph of a compiled step
-    rec = window.record(0, 0.0, tc.loss_decay, info)
-    out = {"val_loss": rec["loss"], "val_tau_sim": rec["tau_sim"]}
+            for win, cut in ((window, False), (fresh, True)):
+                if cut:
+                    keep = ~repeat_mask(batch["input_ids"], batch["loss_mask"])
+                    batch = {**batch, "loss_mask": batch["loss_mask"] * keep.to(batch["loss_mask"].dtype)}
+                loss_tokens[cut] += float((batch["loss_mask"] > 0).sum())
+                with autocast():
+                    res = module(batch, lm_head_weight)
+                win.add(res, int(batch["attention_mask"].sum()))  # reads the statistics only
+                del res  # frees the autograd graph of a compiled step
+            del batch
+    rec, rec_fresh = window.record(0, 0.0, tc.loss_decay, info), fresh.record(0, 0.0, tc.loss_decay, info)
+    total, outside = dist.all_reduce_sum(loss_tokens, info)
+    out = {"val_loss": rec["loss"], "val_tau_sim": rec["tau_sim"], "val_tau_fresh": rec_fresh["tau_sim"],
+           "val_fresh_share": outside / total if total else 0.0}
     out.update({f"val_acc_{k}": rec[f"acc_{k}"] for k in range(tc.ttt)})
     return out
+
+
+def repeat_mask(input_ids: torch.Tensor, loss_mask: torch.Tensor, n: int = REPEAT_NGRAM) -> torch.Tensor:
+    """bool [B, T]: token t of a row is in a repeat when its n preceding tokens, all of the answer (loss mask),
+    form an n-gram of answer tokens that ended before t in the same row; eval's split of tau inside and outside
+    repeats (speculative/stats.py repeat_split) uses the same rule on a turn's output."""
+    ids, answer = input_ids.tolist(), (loss_mask > 0).tolist()
+    out = torch.zeros(input_ids.shape, dtype=torch.bool)
+    for row, (seq, ans) in enumerate(zip(ids, answer)):
+        seen: set[tuple[int, ...]] = set()
+        run = 0  # answer tokens in a row ending at t - 1
+        for t, is_answer in enumerate(ans):
+            if run >= n:  # the context seq[t - n:t] is all answer: checked against the earlier ones, then kept
+                gram = tuple(seq[t - n:t])
+                out[row, t] = gram in seen
+                seen.add(gram)
+            run = run + 1 if is_answer else 0
+    return out.to(input_ids.device)
 
 
 class _Window:

@@ -4,7 +4,8 @@ Only rank 0 writes. Records are flat dicts with unit-bearing keys, e.g.
 {"step": 120, "loss": 2.41, "loss_0": ..., "acc_0": 0.71, ..., "tau_sim": 3.1, "lr": 1e-4,
  "tokens_per_s": 42000.0, "peak_mem_GiB": 3.1, "elapsed_s": 61.0}; acc_k are measured on the training
 batches of the interval. With train.val_samples, the records of the scoring steps also carry val_loss,
-val_acc_k and val_tau_sim: the same measures on samples never trained on.
+val_acc_k and val_tau_sim: the same measures on samples never trained on; val_tau_fresh the simulated tau over
+the held-out tokens outside repeats (loop.repeat_mask) and val_fresh_share their share of the loss tokens.
 """
 
 from __future__ import annotations
@@ -36,6 +37,8 @@ def format_line(rec: dict, total_steps: int, ttt: int) -> str:
     if "val_acc_0" in rec:
         val_accs = " ".join(f"{rec[f'val_acc_{k}']:.2f}" for k in range(ttt))
         line += f"\n  held-out: loss {rec['val_loss']:.3f} | acc0..{ttt - 1} {val_accs} | tau {rec['val_tau_sim']:.2f}"
+        if "val_tau_fresh" in rec:
+            line += f" ({rec['val_tau_fresh']:.2f} outside repeats, {rec['val_fresh_share']:.0%} of the tokens)"
     return line
 
 

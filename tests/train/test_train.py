@@ -281,6 +281,22 @@ def test_held_out_samples_are_never_trained_on_and_are_scored_with_the_final_wei
             correct = [a + b for a, b in zip(correct, res.correct_k)]
             count = [a + b for a, b in zip(count, res.count_k)]
     assert [summary[f"val_acc_{k}"] for k in range(3)] == pytest.approx([c / n for c, n in zip(correct, count)])
+    # and outside repeats: the same batches with the loss mask cut to the tokens repeat_mask leaves
+    from eyas.train.loop import repeat_mask
+    from eyas.train.ttt import simulated_tau
+
+    correct, count, tokens = [0] * 3, [0] * 3, [0, 0]
+    with torch.no_grad():
+        for batch in val_b.plan(0):
+            b = val_b.collate(batch)
+            tokens[0] += int((b["loss_mask"] > 0).sum())
+            b["loss_mask"] = b["loss_mask"] * ~repeat_mask(b["input_ids"], b["loss_mask"])
+            tokens[1] += int((b["loss_mask"] > 0).sum())
+            res = ttt_forward(draft, b, source.lm_head_weight, 3)
+            correct = [a + b for a, b in zip(correct, res.correct_k)]
+            count = [a + b for a, b in zip(count, res.count_k)]
+    assert summary["val_tau_fresh"] == pytest.approx(simulated_tau([c / n for c, n in zip(correct, count)]))
+    assert summary["val_fresh_share"] == pytest.approx(tokens[1] / tokens[0])
 
     with pytest.raises(EyasError, match="more than half of the 24"):
         source.batchers(128, 0, val_samples=13)
@@ -352,3 +368,22 @@ def test_init_from_refuses_a_draft_that_does_not_fit_and_names_why(tmp_path):
     with pytest.raises(EyasError, match="no such file or directory"):
         fine_tune(small_config([f"train.init_from={tmp_path / 'missing'}"]), tmp_path / "d", synthetic_source())
     assert not (tmp_path / "a" / "latest").exists() and not (tmp_path / "c" / "latest").exists()
+
+
+def test_repeat_mask_marks_tokens_after_a_repeated_answer_context():
+    """A token is in a repeat when the 8 answer tokens before it already ended earlier in the row's answer:
+    eval's rule for tau inside and outside repeats. Prompt tokens never make a context."""
+    from eyas.train.loop import repeat_mask
+
+    loop = list(range(10, 20))  # a 10-token phrase the answer says three times
+    prompt = [1, 2, 3, 10, 11, 12, 13, 14, 15, 16, 17]  # its first 8 tokens in the prompt too
+    ids = torch.tensor([prompt + loop * 3 + [5]])
+    lmask = torch.tensor([[0] * len(prompt) + [1] * 31])
+    got = repeat_mask(ids, lmask)[0].tolist()
+    start = len(prompt) + 10  # the second saying: its first 8 tokens are the context of the next ones
+    assert not any(got[:start + 8])
+    assert all(got[start + 8:])  # every later token follows an 8-gram the answer already had
+    # a row of fresh tokens has none; rows are independent; a prompt-only context counts for nothing
+    fresh = torch.tensor([list(range(100, 140)), prompt + list(range(200, 229))])
+    assert not repeat_mask(fresh, torch.ones_like(fresh)).any()
+    assert repeat_mask(ids, torch.zeros_like(lmask)).sum() == 0
