@@ -284,7 +284,7 @@ class TrainConfig:
     # preset turns it on; docs/PERFORMANCE.md). Costs about 80 s of compiling once
     compile_loss: bool = False
     # samples held out of training, scored every val_every steps (0 = none): simulated tau over all their answer
-    # tokens and over those outside repeats (val_tau_fresh), which regenerated answers hold more of than benchmarks
+    # tokens and over those outside repeats (val_tau_fresh), where a draft cannot simply copy
     val_samples: int = 0
     val_every: int = 100  # optimizer steps between held-out scorings (and at the last step)
     # start from this draft's weights and vocabulary (a run dir, checkpoint or export eyas can load) instead of

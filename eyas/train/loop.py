@@ -487,9 +487,9 @@ def score_held_out(model, val_batcher, lm_head_weight, autocast, info, tc, compi
     would compile them all again. Nothing is backpropagated; DDP's wrapper is bypassed for the same reason.
 
     A second pass scores the same samples with the loss mask cut to the tokens outside repeats (`repeat_mask`):
-    a draft predicts a repeated stretch, such as a loop of the target's, almost perfectly, and a benchmark's
-    answers repeat less than regenerated training answers, so `val_tau_fresh` is the figure closer to the tau
-    eval reports outside repeats; `val_fresh_share` is the share of loss tokens it covers.
+    a draft predicts a repeated stretch, such as a loop of the target's, almost perfectly, so the figure over all
+    tokens depends on how much of the held-out text repeats; `val_tau_fresh` compares with the tau eval reports
+    outside repeats, and `val_fresh_share` is the share of loss tokens it covers.
     """
     window, fresh = _Window(tc.ttt), _Window(tc.ttt)
     loss_tokens = [0.0, 0.0]  # [all, outside repeats] over this rank's samples
