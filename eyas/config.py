@@ -352,7 +352,11 @@ class DFlashTrainConfig:
     target_layers: list[int] = field(default_factory=list)
     mask_token_id: int = -1  # the id of the block's mask slots; -1 = the target's pad token, else its eos
     gamma: float = 7.0  # slot k's loss weight is exp(-(k - 1) / gamma) (the reference: 7 for blocks of 16)
-    anchors: int = 512  # blocks drawn per sample at most (and at most batch_tokens // block_size per micro-batch)
+    anchors: int = 512  # blocks drawn per sample at most (and at most block_tokens // block_size per micro-batch)
+    # the blocks' query tokens per micro-batch at most; 0 = train.batch_tokens, which draws one anchor per block_size
+    # stored tokens. The reference trainers draw up to `anchors` per sample; more blocks cost memory (their logits
+    # over the target's whole vocabulary) and time per step
+    block_tokens: int = 0
     lr: float = 0.0  # 0 = train.lr (the reference trains DFlash at 6e-4)
 
     def __post_init__(self):
@@ -364,6 +368,7 @@ class DFlashTrainConfig:
         if self.gamma <= 0:
             raise ConfigError(f"dflash.gamma={self.gamma!r} must be > 0 (slot k's weight is exp(-(k - 1) / gamma))")
         _at_least("dflash.anchors", self.anchors, 1)
+        _at_least("dflash.block_tokens", self.block_tokens, 0, " (0 = train.batch_tokens)")
         _at_least("dflash.mask_token_id", self.mask_token_id, -1, " (-1 = the target's pad token, else its eos)")
         if not 0 <= self.lr <= MAX_LR:
             raise ConfigError(f"dflash.lr={self.lr!r} must lie in [0, {MAX_LR:g}] (0 = train.lr)")

@@ -3,8 +3,9 @@
 For a batch of samples (input_ids, loss_mask, attention_mask [B, T], aux_hidden [B, T, A*H]):
 
 1. anchors: positions a whose next token is a real assistant token (attention_mask[a + 1] and loss_mask[a + 1]),
-   up to `anchors` per sample drawn uniformly without replacement, and at most batch_tokens // block_size in the
-   micro-batch (so the blocks hold no more tokens than the batch's own budget);
+   up to `anchors` per sample drawn uniformly without replacement, and at most block_tokens // block_size in the
+   micro-batch (dflash.block_tokens, by default train.batch_tokens: the blocks then hold no more tokens than the
+   batch's own budget);
 2. each anchor's block is [ids[a], mask, ..., mask] at positions a .. a + block_size - 1; slot k (1 <= k < block_size)
    is trained to be ids[a + k], counted iff a + k is a real assistant token, with weight exp(-(k - 1) / gamma)
    (the loss is the weighted mean of the cross-entropies of counted slots);
@@ -83,13 +84,13 @@ def training_mask(anchors: torch.Tensor, keep: torch.Tensor, t: int, block_size:
 
 
 def dflash_forward(draft: DFlashDraft, batch: dict, store_layers: list[int], *, gamma: float, anchors: int,
-                   batch_tokens: int) -> TTTResult:
+                   block_tokens: int) -> TTTResult:
     cfg = draft.cfg
     bk = cfg.block_size
     ids, attn, lmask = batch["input_ids"], batch["attention_mask"].bool(), batch["loss_mask"]
     b, t = ids.shape
     device = ids.device
-    anchor, keep = sample_anchors(lmask, attn, anchors, max(1, batch_tokens // bk))  # [B, N]
+    anchor, keep = sample_anchors(lmask, attn, anchors, max(1, block_tokens // bk))  # [B, N]
     n = anchor.shape[1]
     offsets = torch.arange(bk, device=device)
     pos = anchor[:, :, None] + offsets  # [B, N, Bk]
@@ -134,14 +135,14 @@ def dflash_forward(draft: DFlashDraft, batch: dict, store_layers: list[int], *, 
 class DFlashModule(nn.Module):
     """The DFlash draft plus its loss as one module, so DDP/FSDP see one forward per micro-batch."""
 
-    def __init__(self, draft: DFlashDraft, store_layers: list[int], gamma: float, anchors: int, batch_tokens: int):
+    def __init__(self, draft: DFlashDraft, store_layers: list[int], gamma: float, anchors: int, block_tokens: int):
         super().__init__()
         self.draft = draft
-        self.store_layers, self.gamma, self.anchors, self.batch_tokens = list(store_layers), gamma, anchors, batch_tokens
+        self.store_layers, self.gamma, self.anchors, self.block_tokens = list(store_layers), gamma, anchors, block_tokens
 
     def forward(self, batch: dict, lm_head_weight: torch.Tensor | None = None) -> TTTResult:
         return dflash_forward(self.draft, batch, self.store_layers, gamma=self.gamma, anchors=self.anchors,
-                              batch_tokens=self.batch_tokens)
+                              block_tokens=self.block_tokens)
 
 
 def loss_decay(gamma: float) -> float:

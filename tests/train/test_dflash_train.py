@@ -95,7 +95,7 @@ def test_statistics_are_acceptance_rates_conditional_on_the_earlier_slots():
             draft.fuse(batch["aux_hidden"]), torch.arange(10)[None])))
     assert bool((logits.argmax(-1) == 7).all())
     torch.manual_seed(0)
-    res = dflash_forward(draft, batch, [1, 2, 3], gamma=7.0, anchors=100, batch_tokens=4096)
+    res = dflash_forward(draft, batch, [1, 2, 3], gamma=7.0, anchors=100, block_tokens=4096)
     # anchors 0..8 (the token after each is an assistant token); slots 1..3 predict ids[a+1..a+3]
     labels = [[int(ids[0, a + k]) if a + k < 10 else None for k in (1, 2, 3)] for a in range(9)]
     want_count, want_right = [0, 0, 0], [0, 0, 0]
@@ -108,6 +108,22 @@ def test_statistics_are_acceptance_rates_conditional_on_the_earlier_slots():
                 break
             want_right[k] += 1
     assert res.count_k == want_count and res.correct_k == want_right
+
+
+def test_block_tokens_caps_the_blocks_of_a_micro_batch():
+    """dflash.block_tokens // block_size blocks a micro-batch at most: with 2 rows of 40 answer tokens, a budget of
+    32 query tokens (8 blocks of 4) draws 8 blocks, one of 400 draws every anchor (39 a row); the config refuses a
+    negative budget and the loop reads 0 as train.batch_tokens."""
+    draft = tiny_draft(block=4, layers=1)
+    ids = torch.randint(0, 96, (2, 40))
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids, dtype=torch.bool),
+             "loss_mask": torch.ones(2, 40), "aux_hidden": torch.randn(2, 40, 3 * draft.cfg.hidden_size)}
+    with torch.no_grad():
+        few = dflash_forward(draft, batch, [1, 2, 3], gamma=7.0, anchors=512, block_tokens=32)
+        every = dflash_forward(draft, batch, [1, 2, 3], gamma=7.0, anchors=512, block_tokens=400)
+    assert few.count_k[0] == 8 and every.count_k[0] == 2 * 39  # slot 1 of every drawn block is counted
+    with pytest.raises(ConfigError, match="dflash.block_tokens"):
+        load_config("tiny", ["dflash.block_tokens=-1"])
 
 
 def test_dflash_trains_checkpoints_and_resumes_bit_exact(tmp_path):
