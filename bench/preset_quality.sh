@@ -11,12 +11,13 @@
 #        XSET (more --set for every stage), PY (default python3),
 #        EVALS (what to evaluate, in order, "FAMILY:BENCH:EXTRA ARGS" separated by '|'; default: EAGLE-3 on
 #        HumanEval then MT-bench with the preset's chains and tree, then DFlash on both with chains 3, 7 and its
-#        block), EVX (extra arguments for every eval, e.g. "--max-new-tokens 128")
+#        block, then EAGLE-3 on HumanEval in fp32: no turn may differ from plain decoding there), EVX (extra
+#        arguments for every eval, e.g. "--max-new-tokens 128"); entry i writes its results to W/eval-i-FAMILY-BENCH
 #
 # Timestamps of each phase go to W/times.txt, each command's output to W/<phase>.log. Evals run one at a time on a
 # quiet GPU, so their speedups stand; the trainings share it, so their rates do not (rerun one alone for that).
 CONFIG=${CONFIG:-full}; FAMILIES=${FAMILIES:-eagle3 dflash}; DSET=${DSET:---set dflash.layers=5}; PY=${PY:-python3}
-EVALS=${EVALS:-eagle3:humaneval:|eagle3:mt-bench:|dflash:humaneval:--set eval.steps=[3,7]|dflash:mt-bench:--set eval.steps=[3,7]}
+EVALS=${EVALS:-eagle3:humaneval:|eagle3:mt-bench:|dflash:humaneval:--set eval.steps=[3,7]|dflash:mt-bench:--set eval.steps=[3,7]|eagle3:humaneval:--set target.dtype=fp32}
 W=${W:?set W to a work directory}; mkdir -p "$W"; cd "${REPO:-$(dirname "$0")/..}" || exit 1
 t() { echo "$(date +%s) $(date +%T) $*" >> "$W/times.txt"; }
 t start "$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)"
@@ -39,8 +40,8 @@ for i in "${!evals[@]}"; do
   [ -f "$W/.trained-$family" ] || { t "eval-$i-skipped-no-$family-draft"; continue; }
   [ -f "$W/.eval-$i" ] && continue
   $PY -m eyas eval --config "$CONFIG" ${XSET:-} --draft "$W/$family" --bench "$bench" --limit 0 --no-hf-baseline \
-    $args ${EVX:-} --out-dir "$W/eval-$family" > "$W/eval-$i-$family-$bench.log" 2>&1; rc=$?
+    $args ${EVX:-} --out-dir "$W/eval-$i-$family-$bench" > "$W/eval-$i-$family-$bench.log" 2>&1; rc=$?
   t "eval-$i-$family-$bench-rc$rc"; [ $rc = 0 ] && touch "$W/.eval-$i"
 done
-$PY bench/eval_table.py "$W"/eval-* | tee "$W/table.md"
+$PY bench/eval_table.py "$W"/eval-*/ | tee "$W/table.md"
 t ALL-DONE
