@@ -28,6 +28,7 @@ from torch import nn
 
 from eyas.common import EyasError, print0
 from eyas.draft.dflash import DFlashConfig, DFlashDraft
+from eyas.train.kernels import linear_weighted_ce
 from eyas.train.ttt import TTTResult
 
 
@@ -110,16 +111,21 @@ def dflash_forward(draft: DFlashDraft, batch: dict, store_layers: list[int], *, 
 
     rows = counted.nonzero(as_tuple=True)
     slot = rows[2]  # [M] slot index k >= 1 of each counted position
-    logits = draft.lm_head(hidden[rows])  # [M, V]
-    ce = F.cross_entropy(logits.float(), labels[rows], reduction="none")  # [M]
     weight = slot_weights(bk, gamma, device)[slot]
-    loss = (ce * weight).sum() / weight.sum().clamp(min=1e-6)
+    head = draft.lm_head
+    if isinstance(head, nn.Linear) and head.bias is None:  # the target's lm_head: chunked, no [M, V] logits
+        loss_sum, ce, predicted = linear_weighted_ce(hidden[rows], head.weight, labels[rows], weight)
+    else:  # any other head (tests swap in their own)
+        logits = head(hidden[rows])  # [M, V]
+        ce = F.cross_entropy(logits.float(), labels[rows], reduction="none")  # [M]
+        loss_sum, predicted = (ce * weight).sum(), logits.argmax(-1)
+    loss = loss_sum / weight.sum().clamp(min=1e-6)
     if not rows[0].numel():
         loss = hidden.sum() * 0.0  # no counted slot: a zero that still reaches every parameter
 
     with torch.no_grad():
         right = torch.zeros(b, n, bk, dtype=torch.bool, device=device)
-        right[rows] = logits.argmax(-1) == labels[rows]
+        right[rows] = predicted == labels[rows]
         ce_full = torch.zeros(b, n, bk, dtype=torch.float64, device=device)
         ce_full[rows] = ce.detach().double()
         # the block reaches slot k iff every slot 1..k-1 was counted and right

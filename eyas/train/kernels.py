@@ -198,3 +198,63 @@ def linear_soft_ce(x: torch.Tensor, weight: torch.Tensor, probs: torch.Tensor, r
         raise ValueError(f"linear_soft_ce: {x.shape[0]} rows of x but {rows.shape[0]} target rows")
     return _LinearSoftCE.apply(x, weight, probs, rows, compute_dtype, chunk or rows_per_chunk(weight.shape[0]),
                                compiled)
+
+
+# ---------------------------------------------------------------- lm_head + weighted hard-label cross-entropy
+
+class _LinearWeightedCE(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, labels, row_weights, compute_dtype, chunk):
+        # x [N, H]; weight [V, H]; labels [N]; row_weights [N] fp32
+        with torch.autocast(x.device.type, enabled=False):
+            w = weight.to(compute_dtype)
+            xc = x.to(compute_dtype)
+            want_x, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+            n = xc.shape[0]
+            loss = torch.zeros((), dtype=torch.float32, device=x.device)
+            ce = torch.empty(n, dtype=torch.float32, device=x.device)
+            argmax = torch.empty(n, dtype=torch.long, device=x.device)
+            grad_x = torch.empty_like(xc) if want_x else None
+            grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=x.device) if want_w else None
+            for i in range(0, n, chunk):
+                xi, lab, wt = xc[i:i + chunk], labels[i:i + chunk], row_weights[i:i + chunk].float()
+                z = (xi @ w.T).float()  # [n, V]
+                lse = torch.logsumexp(z, dim=-1)
+                ce[i:i + chunk] = lse - z.gather(1, lab[:, None])[:, 0]
+                argmax[i:i + chunk] = z.argmax(-1)
+                loss += (ce[i:i + chunk] * wt).sum()
+                if want_x or want_w:  # d loss / d logits = weight * (softmax - one_hot), built over z in place
+                    g = z.sub_(lse[:, None]).exp_()
+                    g[torch.arange(g.shape[0], device=g.device), lab] -= 1.0
+                    g = g.mul_(wt[:, None]).to(compute_dtype)
+                    if want_x:
+                        grad_x[i:i + chunk] = g @ w
+                    if want_w:
+                        grad_w += (g.T @ xi).float()
+        ctx.save_for_backward(grad_x if want_x else torch.empty(0), grad_w if want_w else torch.empty(0))
+        ctx.x_dtype, ctx.w_dtype = x.dtype, weight.dtype
+        ctx.mark_non_differentiable(ce, argmax)
+        return loss, ce, argmax
+
+    @staticmethod
+    def backward(ctx, grad_loss, _grad_ce, _grad_argmax):
+        grad_x, grad_w = ctx.saved_tensors
+        gx = (grad_x.float() * grad_loss).to(ctx.x_dtype) if ctx.needs_input_grad[0] else None
+        gw = (grad_w * grad_loss).to(ctx.w_dtype) if ctx.needs_input_grad[1] else None
+        return gx, gw, None, None, None, None
+
+
+def linear_weighted_ce(x: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, row_weights: torch.Tensor,
+                       chunk: int | None = None):
+    """(sum over rows of row_weights * cross-entropy of x @ weight.T against labels, that cross-entropy per row
+    [N] fp32 (no gradient), the argmax of the logits [N]), computed a chunk of rows at a time, so that the
+    [N, V] logits over a target's whole vocabulary never exist at once (a DFlash micro-batch scores tens of
+    thousands of block slots). The loss equals `(F.cross_entropy((x @ weight.T).float(), labels, reduction="none")
+    * row_weights).sum()`; under autocast the product runs in the autocast dtype, as a Linear would."""
+    dev = x.device.type
+    compute_dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
+    if not (x.shape[0] == labels.shape[0] == row_weights.shape[0]):
+        raise ValueError(f"linear_weighted_ce: {x.shape[0]} rows of x, {labels.shape[0]} labels, "
+                         f"{row_weights.shape[0]} weights")
+    return _LinearWeightedCE.apply(x, weight, labels, row_weights, compute_dtype,
+                                   chunk or rows_per_chunk(weight.shape[0]))

@@ -177,3 +177,60 @@ def test_auto_target_layers_follow_the_reference_spacing():
     # Qwen3-8B (36 layers, 5 fused): decoder layers 1, 9, 17, 25, 33 -> hidden_states indices 2, 10, 18, 26, 34
     assert auto_target_layers(36, 5) == [2, 10, 18, 26, 34]
     assert auto_target_layers(30, 1) == [16]
+
+
+def test_chunked_lm_head_loss_equals_the_full_logits_one():
+    """linear_weighted_ce (chunks of rows; no [N, V] logits) against F.cross_entropy on the full logits: the
+    weighted loss, its gradients for x and the head, each row's cross-entropy and the argmax (fp32)."""
+    from eyas.train.kernels import linear_weighted_ce
+
+    torch.manual_seed(0)
+    x = torch.randn(37, 16, requires_grad=True)
+    w = torch.randn(50, 16, requires_grad=True)
+    labels, weights = torch.randint(0, 50, (37,)), torch.rand(37)
+    loss, ce, argmax = linear_weighted_ce(x, w, labels, weights, chunk=8)
+    loss.backward()
+    gx, gw = x.grad.clone(), w.grad.clone()
+    x.grad = w.grad = None
+    logits = x @ w.T
+    want_ce = torch.nn.functional.cross_entropy(logits, labels, reduction="none")
+    (want_ce * weights).sum().backward()
+    torch.testing.assert_close(loss, (want_ce * weights).sum().detach())
+    torch.testing.assert_close(ce, want_ce.detach())
+    assert torch.equal(argmax, logits.argmax(-1))
+    torch.testing.assert_close(gx, x.grad)
+    torch.testing.assert_close(gw, w.grad)
+
+
+def test_dflash_loss_with_the_chunked_head_equals_the_plain_one():
+    """The training forward with the target's bias-free lm_head (chunked) and with the same head as a module the
+    forward does not recognise (full logits): the same loss, statistics and gradients of every draft weight."""
+    draft = tiny_draft(block=4, layers=1)
+    draft.lm_head = torch.nn.Linear(draft.cfg.hidden_size, 96, bias=False)
+    torch.nn.init.normal_(draft.lm_head.weight, std=0.3)
+    ids = torch.randint(0, 96, (2, 30))
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids, dtype=torch.bool),
+             "loss_mask": torch.ones(2, 30), "aux_hidden": torch.randn(2, 30, 3 * draft.cfg.hidden_size)}
+
+    class Head(torch.nn.Module):  # the same weights, through F.linear
+        def __init__(self, weight):
+            super().__init__()
+            self.weight = weight
+
+        def forward(self, h):
+            return torch.nn.functional.linear(h, self.weight)
+
+    runs = []
+    for head in (draft.lm_head, Head(draft.lm_head.weight)):
+        draft.lm_head = head
+        draft.zero_grad()
+        torch.manual_seed(1)  # the same anchors
+        res = dflash_forward(draft, batch, [1, 2, 3], gamma=7.0, anchors=512, block_tokens=4096)
+        res.loss.backward()
+        runs.append((res, {n: p.grad.clone() for n, p in draft.named_parameters() if p.grad is not None}))
+    (a, ga), (b, gb) = runs
+    torch.testing.assert_close(a.loss, b.loss)
+    assert a.count_k == b.count_k and a.correct_k == b.correct_k
+    assert ga.keys() == gb.keys() and "fc.weight" in ga
+    for name in ga:
+        torch.testing.assert_close(ga[name], gb[name], msg=name)
