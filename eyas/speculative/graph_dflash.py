@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import torch
 
+from eyas.speculative.graph_modes import verify_chain
 from eyas.speculative.graph_steps import _Reads
 
 
@@ -67,15 +68,7 @@ def dflash_buffers(dec, k: int) -> dict:
         b["ids"][0, 1:].copy_(draft.lm_head(hidden[0, 1:k + 1]).argmax(-1))
 
     def verify():
-        logits, aux = dec._target(b["ids"], dec.n + b["rows"], aux=True)
-        best = logits.argmax(-1)  # [k + 1]
-        guesses = b["ids"][0, 1:]
-        dec.a.copy_((guesses == best[:k]).long().cumprod(0).sum())
-        b["best"].copy_(best)
-        b["aux"].copy_(aux)
-        b["read"][:k].copy_(guesses)
-        b["read"][k:2 * k + 1].copy_(best)
-        b["read"][2 * k + 1:].copy_(dec.a.view(1))
+        verify_chain(dec, b, k)
 
     def rebuild():
         write_context(dec, b["aux"], dec.n + b["rows"])

@@ -49,6 +49,21 @@ def rebuild_draft(dec, b: dict) -> None:
     dec.n.add_(dec.a + 1)
 
 
+def verify_chain(dec, b: dict, k: int) -> None:
+    """The target over b["ids"] (the pending token and k drafted ones) at n..n + k, then the greedy acceptance
+    on the device: a = how many leading drafts equal the target's argmax; the argmax rows and aux states are
+    kept for the rebuild, and drafts, argmax and a go to b["read"] for the host (EAGLE-3 and DFlash chains)."""
+    logits, aux = dec._target(b["ids"], dec.n + b["rows"], aux=True)
+    best = logits.argmax(-1)  # [k + 1]
+    drafted = b["ids"][0, 1:]
+    dec.a.copy_((drafted == best[:k]).long().cumprod(0).sum())
+    b["best"].copy_(best)
+    b["aux"].copy_(aux)
+    b["read"][:k].copy_(drafted)
+    b["read"][k:2 * k + 1].copy_(best)
+    b["read"][2 * k + 1:].copy_(dec.a.view(1))
+
+
 def chain_buffers(dec, k: int) -> dict:
     """The passes of chains of k: `chain`, `verify` and `rebuild` (see the module docstring)."""
     dev = dec.device
@@ -71,15 +86,7 @@ def chain_buffers(dec, k: int) -> dict:
             hidden, logits = out.hidden_out[:, -1:], out.logits[0, -1]
 
     def verify():
-        logits, aux = dec._target(b["ids"], dec.n + b["rows"], aux=True)
-        best = logits.argmax(-1)  # [k + 1]
-        drafted = b["ids"][0, 1:]
-        dec.a.copy_((drafted == best[:k]).long().cumprod(0).sum())
-        b["best"].copy_(best)
-        b["aux"].copy_(aux)
-        b["read"][:k].copy_(drafted)
-        b["read"][k:2 * k + 1].copy_(best)
-        b["read"][2 * k + 1:].copy_(dec.a.view(1))
+        verify_chain(dec, b, k)
 
     def rebuild():
         rebuild_draft(dec, b)
