@@ -200,3 +200,20 @@ def progress(iterable=None, **kwargs):
     kwargs.setdefault("dynamic_ncols", True)
     kwargs.setdefault("mininterval", 1.0)
     return tqdm(iterable, disable=rank() != 0 or kwargs.pop("disable", False), **kwargs)
+
+
+REPEAT_NGRAM = 8  # the context length that makes a token "in a repeat" (eval's tau split, training's held-out split)
+
+
+def repeated_contexts(seq: list[int], answer: list[bool], n: int = REPEAT_NGRAM) -> list[bool]:
+    """Per position t of a token sequence: whether its n preceding tokens, all answer tokens, form an n-gram of
+    answer tokens that already ended before t. A draft predicts such a stretch (a loop of the target's, a quoted
+    line) almost perfectly, so tau there says little about tau elsewhere."""
+    out, seen, run = [False] * len(seq), set(), 0  # run: answer tokens in a row ending at t - 1
+    for t, is_answer in enumerate(answer):
+        if run >= n:  # seq[t - n:t] is all answer: checked against the earlier ones, then kept
+            gram = tuple(seq[t - n:t])
+            out[t] = gram in seen
+            seen.add(gram)
+        run = run + 1 if is_answer else 0
+    return out

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import math
 
+from eyas.common import REPEAT_NGRAM  # the context length that makes a cycle "in a repeat" (repeat_split)
+
 
 def position_acceptance(accepted: list[int], depth: int) -> tuple[list[float], list[float]]:
     """-> (unconditional [depth], conditional [depth]) acceptance rates per draft position."""
@@ -43,9 +45,6 @@ def summarize(requests: list[dict], depth: int) -> dict:
         "total_s": total,
         "tokens_per_s": tokens / total if total > 0 else 0.0,
     }
-
-
-REPEAT_NGRAM = 8  # the context length that makes a cycle "in a repeat" (repeat_split)
 
 
 def repeat_split(tokens: list[int], accepted: list[int], n: int = REPEAT_NGRAM) -> tuple[list[int], list[int]]:

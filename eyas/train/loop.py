@@ -25,14 +25,13 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from eyas.common import EyasError, print0, seed_all, warn
+from eyas.common import REPEAT_NGRAM, EyasError, print0, repeated_contexts, seed_all, warn
 from eyas.config import RunConfig
 from eyas.identity import check_target
 from eyas.draft import DraftConfig, Eagle3Draft
 from eyas.train import checkpoint as ckpt
 from eyas.train import dist, guards
 from eyas.train.data import pad_rows
-from eyas.speculative.stats import REPEAT_NGRAM
 from eyas.train.metrics import MetricsLogger, peak_memory_gib
 from eyas.train.source import TrainSource
 from eyas.train.ttt import LossSpec, TTTResult, draft_step, simulated_tau, ttt_forward
@@ -521,18 +520,8 @@ def repeat_mask(input_ids: torch.Tensor, loss_mask: torch.Tensor, n: int = REPEA
     """bool [B, T]: token t of a row is in a repeat when its n preceding tokens, all of the answer (loss mask),
     form an n-gram of answer tokens that ended before t in the same row; eval's split of tau inside and outside
     repeats (speculative/stats.py repeat_split) uses the same rule on a turn's output."""
-    ids, answer = input_ids.tolist(), (loss_mask > 0).tolist()
-    out = torch.zeros(input_ids.shape, dtype=torch.bool)
-    for row, (seq, ans) in enumerate(zip(ids, answer)):
-        seen: set[tuple[int, ...]] = set()
-        run = 0  # answer tokens in a row ending at t - 1
-        for t, is_answer in enumerate(ans):
-            if run >= n:  # the context seq[t - n:t] is all answer: checked against the earlier ones, then kept
-                gram = tuple(seq[t - n:t])
-                out[row, t] = gram in seen
-                seen.add(gram)
-            run = run + 1 if is_answer else 0
-    return out.to(input_ids.device)
+    rows = [repeated_contexts(seq, ans, n) for seq, ans in zip(input_ids.tolist(), (loss_mask > 0).tolist())]
+    return torch.tensor(rows, dtype=torch.bool).view(input_ids.shape).to(input_ids.device)
 
 
 class _Window:
