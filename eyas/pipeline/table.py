@@ -162,14 +162,15 @@ STAGES = (
     Stage("train",   (PREPARED, STORE),   TRAIN,    ("target", "capture.mode", "train"),      "all",      _train,
           when=_family("eagle3"), tails="capture", external=_train_files,
           unread=lambda cfg: () if _store_mode(cfg) else (STORE,)),
+    # a DFlash draft from the same store (train.method lists dflash), trained right after the EAGLE-3 one so that
+    # both drafts exist before either is evaluated, then evaluated and exported beside it
+    Stage("train-dflash", (PREPARED, STORE), TRAIN_DF, ("target", "capture.mode", "train", "dflash"), "all",
+          lambda ctx: _train(ctx, "dflash"), when=_family("dflash"), external=_train_files,
+          unread=lambda cfg: () if _store_mode(cfg) else (STORE,), command="train"),
     Stage("eval",    (TRAIN,),            EVAL,     ("target", "eval"),                       "one",      _eval,
           when=_family("eagle3"), external=_target_files),
     Stage("export",  (TRAIN,),            EXPORT,   ("export",),                              "none",     _export,
           when=_family("eagle3")),
-    # a DFlash draft from the same store (train.method lists dflash), evaluated and exported beside the EAGLE-3 one
-    Stage("train-dflash", (PREPARED, STORE), TRAIN_DF, ("target", "capture.mode", "train", "dflash"), "all",
-          lambda ctx: _train(ctx, "dflash"), when=_family("dflash"), external=_train_files,
-          unread=lambda cfg: () if _store_mode(cfg) else (STORE,), command="train"),
     Stage("eval-dflash", (TRAIN_DF,),     EVAL_DF,  ("target", "eval"),                       "one",
           lambda ctx: _eval(ctx, "dflash"), when=_family("dflash"), external=_target_files, command="eval"),
     Stage("export-dflash", (TRAIN_DF,),   EXPORT_DF, ("export",),                             "none",

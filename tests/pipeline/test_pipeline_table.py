@@ -299,8 +299,9 @@ def test_the_stage_table_writes_where_the_layout_says():
 
     layout = RunLayout(Path("/runs/r"))
     df = layout.family("dflash")
-    assert [layout.run / s.writes for s in STAGES] == [layout.prepared, layout.store, layout.train, layout.eval,
-                                                       layout.export, df.train, df.eval, df.export]
+    # in run order: both families trained before either is evaluated
+    assert [layout.run / s.writes for s in STAGES] == [layout.prepared, layout.store, layout.train, df.train,
+                                                       layout.eval, layout.export, df.eval, df.export]
     assert (df.train, df.eval, df.exported("vllm")) == (Path("/runs/r/train-dflash"), Path("/runs/r/eval-dflash"),
                                                         Path("/runs/r/export-dflash/vllm"))
     assert (layout.vocab, layout.stages, layout.lock) == (Path("/runs/r/prepared/vocab.safetensors"),
