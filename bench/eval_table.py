@@ -30,10 +30,12 @@ def row(path: Path) -> str | None:
     differ = "" if "plain_mismatches" not in s else f"{s['plain_mismatches']} of {turns}"
     if margins.get("max_steps") is not None:
         differ += f" (largest margin {margins['max_steps']:.3g} steps)"
-    return (f"| {st['bench']} | {doc.get('method', 'eagle3')} {st['setting']} | {turns} | {_num(s.get('tau_pooled'))} / "
-            f"{_num(s.get('tau_per_request'))} | {_num(s.get('speedup_vs_plain'))}x ({_num(s.get('tokens_per_s'), 1)}; "
-            f"{_num(s.get('plain_tokens_per_s'), 1)}) | {accept} | {_num(s.get('tau_in_repeats'))} / "
-            f"{_num(s.get('tau_elsewhere'))} | {_num(s.get('ngram_tau'))} | {differ} | {st.get('dtype', '').removeprefix('torch.')} |")
+    dtype = st.get("dtype", "").removeprefix("torch.")
+    return (f"| {st['bench']} | {doc.get('method', 'eagle3')} {st['setting']} | {turns} | "
+            f"{_num(s.get('tau_pooled'))} / {_num(s.get('tau_per_request'))} | {_num(s.get('speedup_vs_plain'))}x "
+            f"({_num(s.get('tokens_per_s'), 1)}; {_num(s.get('plain_tokens_per_s'), 1)}) | {accept} | "
+            f"{_num(s.get('tau_in_repeats'))} / {_num(s.get('tau_elsewhere'))} | {_num(s.get('ngram_tau'))} | "
+            f"{differ} | {dtype} |")
 
 
 def main(dirs: list[str]) -> int:

@@ -12,8 +12,9 @@ results reach the host), so in this path everything has one:
   update them themselves (n += a + 1), so the host never has to wait for the device to go on.
 
 The passes of each mode are made in graph_modes.py (plain steps, chains and the rebuild), graph_tree.py
-(trees) and graph_dflash.py (DFlash chains: the draft's context in a fixed store per layer); this module holds the decoder's state, the passes' shared calls of the target and the draft, the
-prefill and the host's side of decoding. Cycles queued after the end of the text (one at most, or two plain
+(trees) and graph_dflash.py (DFlash chains: the draft's context in a fixed store per layer); this module holds
+the decoder's state, the passes' shared calls of the target and the draft, the prefill and the host's side of
+decoding. Cycles queued after the end of the text (one at most, or two plain
 steps) are dropped unread; their time counts in `total_s`, as it does for a serving engine that runs ahead.
 
 The prefill has a fixed shape too: the prompt is padded to a multiple of PREFILL_STEP tokens (at most C)
