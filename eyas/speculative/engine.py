@@ -385,17 +385,14 @@ class SpecEngine:
         try:
             if steps is not None:
                 dec = self._static_decoder(chain_capacity(n, max_new_tokens, steps))
-                # captured before the clock starts (once per chain length)
-                dec._dflash_buffers(steps) if self.method == "dflash" else dec._chain_buffers(steps)
+                dec._chain_buffers(steps)  # captured before the clock starts (once per chain length)
             else:
                 dec = self._static_decoder(tree_capacity(n, max_new_tokens, *tree))
                 dec._tree_buffers(*tree)  # captured before the clock starts (once per tree shape)
             dec.ready_prefill(n, with_draft=True)  # and the prefill (once per padded length)
             self._sync()
             t0 = time.perf_counter()
-            if self.method == "dflash":
-                dec.dflash_chain(prompt, max_new_tokens, steps, eos, res, self.sync_timing)
-            elif steps is not None:
+            if steps is not None:
                 dec.chain(prompt, max_new_tokens, steps, eos, res, self.sync_timing)
             else:
                 dec.tree(prompt, max_new_tokens, tuple(tree), eos, res, self.sync_timing)

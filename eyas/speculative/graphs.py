@@ -179,8 +179,10 @@ class GraphDecoder:
     # ---------------------------------------------------------------- the passes of each mode, made once
 
     def _chain_buffers(self, k: int) -> dict:
+        """The passes of chains of k for this decoder's draft: EAGLE-3's (graph_modes.py) or DFlash's
+        (graph_dflash.py), driven alike by `chain`."""
         if ("chain", k) not in self.steps:
-            self.steps[("chain", k)] = chain_buffers(self, k)
+            self.steps[("chain", k)] = (dflash_buffers if self.dflash else chain_buffers)(self, k)
         return self.steps[("chain", k)]
 
     def _tree_buffers(self, topk: int, depth: int, total: int) -> dict:
@@ -188,11 +190,6 @@ class GraphDecoder:
         if key not in self.steps:
             self.steps[key] = tree_buffers(self, topk, depth, total)
         return self.steps[key]
-
-    def _dflash_buffers(self, k: int) -> dict:
-        if ("dflash", k) not in self.steps:
-            self.steps[("dflash", k)] = dflash_buffers(self, k)
-        return self.steps[("dflash", k)]
 
     def _plain_buffers(self) -> dict:
         if "plain" not in self.steps:
@@ -303,8 +300,10 @@ class GraphDecoder:
         self.runner.forward_tokens += launched - 1  # the prefill counted itself
 
     def chain(self, prompt: torch.Tensor, max_new: int, k: int, eos: set[int], res, sync_timing: bool) -> None:
-        """Greedy EAGLE-3 chain decoding into `res`: one cycle queued ahead of the host's read, or none
-        (and a synchronisation between the phases) when `sync_timing` asks for exact draft/verify times."""
+        """Greedy chain decoding (EAGLE-3's k drafted tokens or DFlash's k guesses) into `res`: one cycle queued
+        ahead of the host's read, or none (and a synchronisation between the phases) when `sync_timing` asks for
+        exact draft/verify times. A DFlash cycle feeds its draft the block and k + 1 context rows (all the
+        verified ones: a fixed shape), an EAGLE-3 cycle k - 1 drafting rows and k + 1 rebuilt ones."""
         n = prompt.shape[1]
         if chain_capacity(n, max_new, k) > self.capacity:
             raise RuntimeError(f"{n} + {max_new} tokens and chains of {k} do not fit a static cache of {self.capacity}")
@@ -313,22 +312,9 @@ class GraphDecoder:
             drafted, best, a = got[:k], got[k:2 * k + 1], got[2 * k + 1]
             return drafted[:a] + [best[a]], a, k
 
-        self._cycles(prompt, max_new, self._chain_buffers(k), "chain", read, k + 1, 2 * k, eos, res, sync_timing,
-                     span=k + 1, advance=k + 1)
-
-    def dflash_chain(self, prompt: torch.Tensor, max_new: int, k: int, eos: set[int], res, sync_timing: bool) -> None:
-        """Greedy DFlash chains of k guesses into `res`, cycles queued as for EAGLE-3's chains. A cycle feeds the
-        draft its block and k + 1 context rows (all the verified ones: a fixed shape)."""
-        n = prompt.shape[1]
-        if chain_capacity(n, max_new, k) > self.capacity:
-            raise RuntimeError(f"{n} + {max_new} tokens and chains of {k} do not fit a static cache of {self.capacity}")
-
-        def read(got: list[int]) -> tuple[list[int], int, int]:
-            guesses, best, a = got[:k], got[k:2 * k + 1], got[2 * k + 1]
-            return guesses[:a] + [best[a]], a, k
-
-        self._cycles(prompt, max_new, self._dflash_buffers(k), "chain", read, k + 1,
-                     self.draft.cfg.block_size + k + 1, eos, res, sync_timing, span=k + 1, advance=k + 1)
+        draft_width = self.draft.cfg.block_size + k + 1 if self.dflash else 2 * k
+        self._cycles(prompt, max_new, self._chain_buffers(k), "chain", read, k + 1, draft_width, eos, res,
+                     sync_timing, span=k + 1, advance=k + 1)
 
     def tree(self, prompt: torch.Tensor, max_new: int, tree: tuple[int, int, int], eos: set[int], res,
              sync_timing: bool) -> None:
