@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 
-from eyas.common import REPEAT_NGRAM  # the context length that makes a cycle "in a repeat" (repeat_split)
+from eyas.common import REPEAT_NGRAM, repeated_contexts  # REPEAT_NGRAM: the context that makes a cycle "in a repeat"
 
 
 def position_acceptance(accepted: list[int], depth: int) -> tuple[list[float], list[float]]:
@@ -53,15 +53,13 @@ def repeat_split(tokens: list[int], accepted: list[int], n: int = REPEAT_NGRAM) 
     decoding greedily falls into loops, and a draft predicts a loop almost perfectly: tau over repeats says
     little about tau elsewhere. The prefill commits the first token; each cycle its accepted drafts plus one
     token of the target's (the last cycle's may be cut by the token limit or the end of text)."""
-    seen: set[tuple[int, ...]] = set()
+    # the rule of eyas.common.repeated_contexts (training's held-out split uses it too), at every position up to
+    # one past the last token: a cycle whose tokens were cut short still has a context there
+    in_repeat = repeated_contexts(list(tokens) + [0], [True] * (len(tokens) + 1), n)
     repeat, fresh = [], []
-    start, added = 1, n  # n-grams tokens[e - n:e] for e < added are in `seen`
+    start = 1
     for a in accepted:
-        for end in range(added, start):  # every n-gram that ends before this cycle's context does
-            seen.add(tuple(tokens[end - n:end]))
-        added = max(added, start)
-        context = tuple(tokens[start - n:start]) if start >= n else None
-        (repeat if context in seen else fresh).append(a + 1)
+        (repeat if in_repeat[start] else fresh).append(a + 1)
         start = min(start + a + 1, len(tokens))
     return repeat, fresh
 
