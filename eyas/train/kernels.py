@@ -145,6 +145,15 @@ def _chunk_fn(compiled: bool):
     return _compiled_soft_ce_chunk
 
 
+def _scaled_grads(ctx, grad_loss):
+    """The chunked losses' backward: the gradients for x and the head, computed in the forward (saved as
+    grad_x, grad_w), times the incoming gradient of the summed loss; None for an input that needs none."""
+    grad_x, grad_w = ctx.saved_tensors
+    gx = (grad_x.float() * grad_loss).to(ctx.x_dtype) if ctx.needs_input_grad[0] else None
+    gw = (grad_w * grad_loss).to(ctx.w_dtype) if ctx.needs_input_grad[1] else None
+    return gx, gw
+
+
 class _LinearSoftCE(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, probs, rows, compute_dtype, chunk, compiled):
@@ -176,10 +185,7 @@ class _LinearSoftCE(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_loss, _grad_argmax):
-        grad_x, grad_w = ctx.saved_tensors
-        gx = (grad_x.float() * grad_loss).to(ctx.x_dtype) if ctx.needs_input_grad[0] else None
-        gw = (grad_w * grad_loss).to(ctx.w_dtype) if ctx.needs_input_grad[1] else None
-        return gx, gw, None, None, None, None, None
+        return *_scaled_grads(ctx, grad_loss), None, None, None, None, None
 
 
 def linear_soft_ce(x: torch.Tensor, weight: torch.Tensor, probs: torch.Tensor, rows: torch.Tensor | None = None,
@@ -238,10 +244,7 @@ class _LinearWeightedCE(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_loss, _grad_ce, _grad_argmax):
-        grad_x, grad_w = ctx.saved_tensors
-        gx = (grad_x.float() * grad_loss).to(ctx.x_dtype) if ctx.needs_input_grad[0] else None
-        gw = (grad_w * grad_loss).to(ctx.w_dtype) if ctx.needs_input_grad[1] else None
-        return gx, gw, None, None, None, None
+        return *_scaled_grads(ctx, grad_loss), None, None, None, None
 
 
 def linear_weighted_ce(x: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, row_weights: torch.Tensor,
