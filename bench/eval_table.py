@@ -2,7 +2,7 @@
 
     python bench/eval_table.py RUN/eval RUN/eval-dflash ...
 
-Per result: the draft's method, tau (pooled and per request), the speedup against plain decoding in the same
+Per result: its directory's name, the benchmark, the draft's method, tau (pooled and per request), the speedup against plain decoding in the same
 process (and both rates), acceptance by position, tau after a repeated context and elsewhere, n-gram lookup's
 tau on the same turns, and the turns that differ from plain greedy decoding with their largest first-token margin
 in steps of the logits' format (greedy results only).
@@ -31,7 +31,8 @@ def row(path: Path) -> str | None:
     if margins.get("max_steps") is not None:
         differ += f" (largest margin {margins['max_steps']:.3g} steps)"
     dtype = st.get("dtype", "").removeprefix("torch.")
-    return (f"| {st['bench']} | {doc.get('method', 'eagle3')} {st['setting']} | {turns} | "
+    bench = Path(st["bench"]).name if st["bench"].endswith(".jsonl") else st["bench"]
+    return (f"| {path.parent.name} | {bench} | {doc.get('method', 'eagle3')} {st['setting']} | {turns} | "
             f"{_num(s.get('tau_pooled'))} / {_num(s.get('tau_per_request'))} | {_num(s.get('speedup_vs_plain'))}x "
             f"({_num(s.get('tokens_per_s'), 1)}; {_num(s.get('plain_tokens_per_s'), 1)}) | {accept} | "
             f"{_num(s.get('tau_in_repeats'))} / {_num(s.get('tau_elsewhere'))} | {_num(s.get('ngram_tau'))} | "
@@ -47,9 +48,9 @@ def main(dirs: list[str]) -> int:
     if not rows:
         print(f"no eval results under {', '.join(dirs) or '(no directory given)'}", file=sys.stderr)
         return 1
-    print("| benchmark | draft, decoding | turns | tau (pooled / per request) | speedup (tok/s; plain) | acceptance by "
+    print("| results | benchmark | draft, decoding | turns | tau (pooled / per request) | speedup (tok/s; plain) | acceptance by "
           "position | repeat / elsewhere | n-gram lookup alone | turns differing from plain greedy | dtype |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     print("\n".join(rows))
     return 0
 
