@@ -9,15 +9,16 @@
 #   env: CONFIG (default full), FAMILIES (default "eagle3 dflash"; each trains into W/<family>),
 #        DSET (more --set for the DFlash training; default "--set dflash.layers=5", the released drafts' depth),
 #        XSET (more --set for every stage), PY (default python3),
-#        EVALS (what to evaluate, in order, "FAMILY:BENCH:EXTRA ARGS" separated by '|'; default: EAGLE-3 on
-#        HumanEval then MT-bench with the preset's chains and tree, then DFlash on both with chains 3, 7 and its
-#        block, then EAGLE-3 on HumanEval in fp32: no turn may differ from plain decoding there), EVX (extra
-#        arguments for every eval, e.g. "--max-new-tokens 128"); entry i writes its results to W/eval-i-FAMILY-BENCH
+#        EVALS (what to evaluate, in order, "FAMILY:BENCH:EXTRA ARGS" separated by '|'; EXTRA ARGS may add a
+#        --bench, which the same process evaluates next with the same loaded target and draft; default: EAGLE-3 on
+#        MT-bench then HumanEval with the preset's chains and tree, then DFlash on both with chains 3, 7 and its
+#        block, then EAGLE-3 on both in fp32: no turn may differ from plain decoding there), EVX (extra arguments
+#        for every eval, e.g. "--max-new-tokens 128"); entry i writes its results to W/eval-i-FAMILY-BENCH
 #
 # Timestamps of each phase go to W/times.txt, each command's output to W/<phase>.log. Evals run one at a time on a
 # quiet GPU, so their speedups stand; the trainings share it, so their rates do not (rerun one alone for that).
 CONFIG=${CONFIG:-full}; FAMILIES=${FAMILIES:-eagle3 dflash}; DSET=${DSET:---set dflash.layers=5}; PY=${PY:-python3}
-EVALS=${EVALS:-eagle3:humaneval:|eagle3:mt-bench:|dflash:humaneval:--set eval.steps=[3,7]|dflash:mt-bench:--set eval.steps=[3,7]|eagle3:humaneval:--set target.dtype=fp32}
+EVALS=${EVALS:-eagle3:mt-bench:--bench humaneval|dflash:mt-bench:--bench humaneval --set eval.steps=[3,7]|eagle3:humaneval:--set target.dtype=fp32 --bench mt-bench}
 W=${W:?set W to a work directory}; mkdir -p "$W"; cd "${REPO:-$(dirname "$0")/..}" || exit 1
 t() { echo "$(date +%s) $(date +%T) $*" >> "$W/times.txt"; }
 t start "$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)"
