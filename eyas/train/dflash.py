@@ -84,6 +84,11 @@ def training_mask(anchors: torch.Tensor, keep: torch.Tensor, t: int, block_size:
     return torch.cat([ctx, own], dim=2)[:, None]
 
 
+def blocks_per_micro_batch(block_tokens: int, block_size: int) -> int:
+    """The most blocks one micro-batch draws: as many as block_tokens query tokens hold, and at least one."""
+    return max(1, block_tokens // block_size)
+
+
 def dflash_forward(draft: DFlashDraft, batch: dict, store_layers: list[int], *, gamma: float, anchors: int,
                    block_tokens: int) -> TTTResult:
     cfg = draft.cfg
@@ -91,7 +96,7 @@ def dflash_forward(draft: DFlashDraft, batch: dict, store_layers: list[int], *, 
     ids, attn, lmask = batch["input_ids"], batch["attention_mask"].bool(), batch["loss_mask"]
     b, t = ids.shape
     device = ids.device
-    anchor, keep = sample_anchors(lmask, attn, anchors, max(1, block_tokens // bk))  # [B, N]
+    anchor, keep = sample_anchors(lmask, attn, anchors, blocks_per_micro_batch(block_tokens, bk))  # [B, N]
     n = anchor.shape[1]
     offsets = torch.arange(bk, device=device)
     pos = anchor[:, :, None] + offsets  # [B, N, Bk]

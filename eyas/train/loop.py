@@ -296,16 +296,16 @@ def _train(cfg: RunConfig, run_dir: Path, source: TrainSource, resume: bool, inf
         run_dir.mkdir(parents=True, exist_ok=True)
     module = None
     if method == "dflash":
-        from eyas.train.dflash import DFlashModule, dflash_train_config
+        from eyas.train.dflash import DFlashModule, blocks_per_micro_batch, dflash_train_config
 
         draft = _first_draft(tc, source, cfg.dflash)
         tc = dflash_train_config(tc, cfg.dflash)  # the loop's K is the block's guesses, its decay the slot weights
-        module = DFlashModule(draft, source.aux_layers, cfg.dflash.gamma, cfg.dflash.anchors,
-                              cfg.dflash.block_tokens or tc.batch_tokens)
+        block_tokens = cfg.dflash.block_tokens or tc.batch_tokens
+        module = DFlashModule(draft, source.aux_layers, cfg.dflash.gamma, cfg.dflash.anchors, block_tokens)
         print0(f"draft: DFlash, {draft.num_trainable_params() / 1e6:.2f}M trainable parameters (H {draft.cfg.hidden_size}, "
                f"{draft.cfg.num_layers} layer(s), block {draft.cfg.block_size}, target layers {draft.cfg.target_layers} "
                f"fused, mask token {draft.cfg.mask_token_id}, lr {tc.lr:g}, at most {cfg.dflash.anchors} blocks a sample and "
-               f"{max(1, (cfg.dflash.block_tokens or tc.batch_tokens) // draft.cfg.block_size)} a micro-batch)")
+               f"{blocks_per_micro_batch(block_tokens, draft.cfg.block_size)} a micro-batch)")
     else:
         draft = _first_draft(tc, source)  # its shape and vocabulary; a resumed run then loads its own weights over it
         print0(f"draft: {draft.num_trainable_params() / 1e6:.2f}M trainable parameters "
