@@ -2,10 +2,10 @@
 
     python bench/eval_table.py RUN/eval RUN/eval-dflash ...
 
-Per result: its directory's name, the benchmark, the draft's method, tau (pooled and per request), the speedup against plain decoding in the same
-process (and both rates), acceptance by position, tau after a repeated context and elsewhere, n-gram lookup's
-tau on the same turns, and the turns that differ from plain greedy decoding with their largest first-token margin
-in steps of the logits' format (greedy results only).
+Per result: its directory's name, the benchmark, the draft's method, tau (pooled and per request), the speedup
+against plain decoding in the same process (and both rates), acceptance by position, tau after a repeated context
+and elsewhere, n-gram lookup's tau on the same turns, and the turns that differ from plain greedy decoding with
+their largest first-token margin in steps of the logits' format (greedy results only).
 """
 
 from __future__ import annotations
@@ -48,8 +48,9 @@ def main(dirs: list[str]) -> int:
     if not rows:
         print(f"no eval results under {', '.join(dirs) or '(no directory given)'}", file=sys.stderr)
         return 1
-    print("| results | benchmark | draft, decoding | turns | tau (pooled / per request) | speedup (tok/s; plain) | acceptance by "
-          "position | repeat / elsewhere | n-gram lookup alone | turns differing from plain greedy | dtype |")
+    print("| results | benchmark | draft, decoding | turns | tau (pooled / per request) | speedup (tok/s; plain) | "
+          "acceptance by position | repeat / elsewhere | n-gram lookup alone | turns differing from plain greedy | "
+          "dtype |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     print("\n".join(rows))
     return 0
