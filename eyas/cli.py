@@ -28,7 +28,7 @@ SUMMARIES = {
     "run": "run the whole pipeline (prepare, regenerate, capture, train, eval, export) in a run directory",
     "prepare": "conversations -> token ids, assistant loss masks and the draft vocabulary",
     "capture": "capture the target's hidden states at the aux layers into a packed store",
-    "train": "train the EAGLE-3 draft with training-time test",
+    "train": "train the draft: EAGLE-3 with training-time test, or DFlash (train.method=dflash)",
     "eval": "speculative decoding with a draft: acceptance length and speedup",
     "export": "write the draft for SGLang, vLLM and speculators",
     "verify": "check a store's checksums and recompute samples with the target",
@@ -55,7 +55,8 @@ def _load(name: str):
 def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="eyas",
-        description="Train EAGLE-3 speculative-decoding drafts for a target LLM and export them for vLLM and SGLang.",
+        description="Train EAGLE-3 (or DFlash) speculative-decoding drafts for a target LLM and export them for vLLM and "
+                    "SGLang.",
     )
     from eyas import __version__
 

@@ -1,4 +1,5 @@
-"""`eyas train`: train the EAGLE-3 draft with training-time test, from a store or online.
+"""`eyas train`: train the EAGLE-3 draft with training-time test (or a DFlash draft, train.method=dflash), from a
+store or online.
 
     eyas train --store STORE --out RUN_DIR [--steps N | --epochs N] [--ttt K] [--lr X] [--resume]
     eyas train --source online --target TARGET --data PREPARED_DIR --out RUN_DIR ...
@@ -13,7 +14,7 @@ from __future__ import annotations
 
 from eyas.commands import flag_overrides, positive_seconds
 
-HELP = "train the EAGLE-3 draft with training-time test"
+HELP = "train the draft: EAGLE-3 with training-time test, or DFlash (train.method=dflash)"
 
 
 def add_arguments(parser) -> None:
