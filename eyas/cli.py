@@ -1,8 +1,8 @@
 """`eyas` command line: a thin dispatcher to one module per subcommand (eyas/commands/*.py).
 
-Each command module defines `HELP` (one line), `add_arguments(parser)` and `main(args) -> int`.
-A module may also define `EPILOG`, shown after its options in `eyas NAME --help`. Modules are
-imported only for the subcommand that runs, so `eyas --help` stays fast.
+Each command module defines `add_arguments(parser)` and `main(args) -> int`, and may define `EPILOG`, shown
+after its options in `eyas NAME --help`; its one-line help is in SUMMARIES below, so that `eyas --help` lists
+every command while importing none (modules are imported only for the subcommand that runs).
 
 Every failure is one line on stderr, `eyas NAME: error: ...`, and exit status 2: a user error (EyasError,
 ConfigError) as raised; a full disk, a path that cannot be written or read, and exhausted memory named with

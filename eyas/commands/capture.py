@@ -9,8 +9,6 @@ from __future__ import annotations
 from eyas.commands import flag_overrides
 from eyas.config import STORE_DTYPES
 
-HELP = "capture the target's hidden states at the aux layers into a packed store"
-
 
 def add_arguments(parser) -> None:
     parser.add_argument("--config", default="demo", help="preset name (tiny, demo, full) or YAML file (default: demo)")

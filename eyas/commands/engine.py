@@ -7,7 +7,6 @@ against one load of a big target (pass them `--engine-socket PATH`). It serves u
 
 from __future__ import annotations
 
-HELP = "serve the target in one vLLM engine that regeneration and capture share (eyas run starts it)"
 EPILOG = """\
 The engine answers on PATH once the target is loaded (PATH.key holds the key a client needs, readable by this
 user only); `eyas prepare --backend vllm --engine-socket PATH ...` and `eyas capture --backend vllm

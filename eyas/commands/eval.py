@@ -11,7 +11,6 @@ from pathlib import Path
 from eyas.commands import flag_overrides, positive_int
 from eyas.layout import eval_result_name
 
-HELP = "speculative decoding with a draft: acceptance length and speedup"
 EPILOG = """\
 writes RESULT.json (+ .png) per benchmark and setting and summary.json beside them. While a setting runs,
 finished requests go to RESULT.requests.jsonl: if the eval is killed, the same command again decodes only

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-HELP = "write the draft for SGLang, vLLM and speculators"
-
 
 def add_arguments(parser) -> None:
     parser.add_argument("draft", metavar="RUN_OR_CHECKPOINT",

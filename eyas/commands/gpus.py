@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-HELP = "list the processes holding memory on each GPU"
-
 
 def add_arguments(parser) -> None:
     parser.add_argument("--gpus", default=None, help="only these device indices, e.g. 0,1 (default: all)")

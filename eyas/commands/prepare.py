@@ -16,7 +16,6 @@ from pathlib import Path
 
 from eyas.commands import flag_overrides
 
-HELP = "conversations -> token ids, assistant loss masks and the draft vocabulary"
 EPILOG = """\
 writes into DIR:
   dataset/            Arrow dataset: sample_id, input_ids (int32), loss_mask (int8, 1 on assistant tokens)

@@ -6,8 +6,6 @@ from pathlib import Path
 
 from eyas.commands import non_negative_seconds
 
-HELP = "run the whole pipeline (prepare, regenerate, capture, train, eval, export) in a run directory"
-
 
 def add_arguments(parser) -> None:
     parser.add_argument("config_file", nargs="?", default=None, metavar="CONFIG.yaml",

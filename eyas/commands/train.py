@@ -14,8 +14,6 @@ from __future__ import annotations
 
 from eyas.commands import flag_overrides, positive_seconds
 
-HELP = "train the draft: EAGLE-3 with training-time test, or DFlash (train.method=dflash)"
-
 
 def add_arguments(parser) -> None:
     parser.add_argument("--config", default="demo", help="preset name (tiny, demo, full) or YAML file (default: demo)")

@@ -7,8 +7,6 @@ from __future__ import annotations
 
 from eyas.commands import non_negative_int
 
-HELP = "check a store's checksums and recompute samples with the target"
-
 
 def add_arguments(parser) -> None:
     parser.add_argument("store", metavar="STORE", help="store directory written by `eyas capture`")
