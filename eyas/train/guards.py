@@ -103,10 +103,6 @@ def estimate_bytes(draft, tc, lm_head_weight: torch.Tensor, num_aux: int) -> dic
         + lm_head_weight.numel() * lm_head_weight.element_size(),
         "features of a batch": 4 * tokens * (num_aux + 1) * hidden,
         "activations": 4 * 4 * tokens * tc.ttt * hidden + 4 * tokens * draft_vocab,
-        # an LK loss keeps every step's [tokens, Vd] logits for the backward pass, with the softmax, the
-        # min(p, q) and their gradients beside them: about four fp32 copies a step (measured: train.loss=lk_hybrid
-        # at 32,768 tokens, TTT 7 and Vd 32,000 ran out of an 80 GB H100)
-        **({"LK loss logits": 4 * 4 * tokens * tc.ttt * draft_vocab} if getattr(tc, "loss", "kl") != "kl" else {}),
     }
 
 

@@ -16,6 +16,8 @@ elementwise passes over `[nh, T, T]` scores and `[N, Vd]` logits, not in matrix 
   gradients of x and W are formed chunk by chunk in the forward, so the fp32 `[N, Vd]` logits and
   their log-softmax are never kept for the backward. With `train.compile_loss` the passes over each chunk's
   logits (log-sum-exp, argmax, the gradient, the gather of the target rows) are compiled too.
+- `linear_lk`: the same chunking for the LK losses (train.loss=lk_alpha|lk_hybrid), whose gradient with respect
+  to the logits is written out in `lk_chunk`.
 """
 
 from __future__ import annotations
@@ -154,15 +156,17 @@ def _scaled_grads(ctx, grad_loss):
     return gx, gw
 
 
-class _LinearSoftCE(torch.autograd.Function):
+class _LinearTargetLoss(torch.autograd.Function):
+    """sum over rows of a loss of x @ weight.T against target distributions, a chunk of rows at a time: fn(logits,
+    probs, rows, grad_dtype) -> (the chunk's summed loss, argmax, d loss / d logits or None) is the loss."""
+
     @staticmethod
-    def forward(ctx, x, weight, probs, rows, compute_dtype, chunk, compiled):
+    def forward(ctx, x, weight, probs, rows, compute_dtype, chunk, fn):
         # x [N, H]; weight [Vd, H]; probs [M, Vd] fp32 target distributions, rows [N] the one of each x row
         with torch.autocast(x.device.type, enabled=False):
             w = weight.to(compute_dtype)
             xc = x.to(compute_dtype)
             want_grad = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
-            fn = _chunk_fn(compiled)
             n = xc.shape[0]
             loss = torch.zeros((), dtype=torch.float32, device=x.device)
             argmax = torch.empty(n, dtype=torch.long, device=x.device)
@@ -202,8 +206,64 @@ def linear_soft_ce(x: torch.Tensor, weight: torch.Tensor, probs: torch.Tensor, r
         rows = torch.arange(probs.shape[0], device=probs.device)
     if rows.shape[0] != x.shape[0]:
         raise ValueError(f"linear_soft_ce: {x.shape[0]} rows of x but {rows.shape[0]} target rows")
-    return _LinearSoftCE.apply(x, weight, probs, rows, compute_dtype, chunk or rows_per_chunk(weight.shape[0]),
-                               compiled)
+    return _LinearTargetLoss.apply(x, weight, probs, rows, compute_dtype, chunk or rows_per_chunk(weight.shape[0]),
+                                   _chunk_fn(compiled))
+
+
+# ---------------------------------------------------------------- lm_head + an LK loss
+
+LK_EPS = 1e-5  # floor of the acceptance rate under -log(alpha): a draft that puts no mass on p stays finite
+
+
+def lk_chunk(logits, probs, rows, grad_dtype, *, kind: str, eta: float):
+    """One chunk of `linear_lk` after the matrix product: (the LK loss summed over the rows (fp32), argmax [n],
+    d loss / d logits [n, Vd] in grad_dtype or None).
+
+    With q = softmax(z), alpha = sum_v min(p_v, q_v) and m_v = 1 where q_v < p_v (where the minimum is q's):
+    d alpha / d z_j = q_j (m_j - sum_v m_v q_v); d KL(p || q) / d z_j = q_j sum(p) - p_j (sum(p) is 1 up to
+    rounding). `lk_alpha` = -log(max(alpha, LK_EPS)), whose gradient is -(d alpha / d z) / alpha above the floor
+    and 0 under it; `lk_hybrid` = lam KL + (1 - lam)(1 - alpha) with lam = exp(-eta alpha) a constant.
+    """
+    z = logits.float()  # [n, Vd]
+    p = probs[rows]  # [n, Vd]
+    argmax = z.argmax(-1)
+    logq = z.log_softmax(-1)
+    q = logq.exp()
+    alpha = torch.minimum(p, q).sum(-1)  # [n]
+    if kind == "lk_alpha":
+        loss = -alpha.clamp_min(LK_EPS).log().sum()
+    else:
+        kl = (torch.xlogy(p, p) - p * logq).sum(-1)  # [n]; 0 log 0 = 0
+        lam = torch.exp(-eta * alpha)
+        loss = (lam * kl + (1 - lam) * (1 - alpha)).sum()
+    if grad_dtype is None:
+        return loss, argmax, None
+    m = (q < p).float()
+    dalpha = q * (m - (m * q).sum(-1, keepdim=True))  # [n, Vd]
+    if kind == "lk_alpha":
+        grad = dalpha * torch.where(alpha > LK_EPS, -1.0 / alpha.clamp_min(LK_EPS), 0.0)[:, None]
+    else:
+        dkl = q * p.sum(-1, keepdim=True) - p
+        grad = lam[:, None] * dkl - (1 - lam)[:, None] * dalpha
+    return loss, argmax, grad.to(grad_dtype)
+
+
+def linear_lk(x: torch.Tensor, weight: torch.Tensor, probs: torch.Tensor, rows: torch.Tensor, kind: str,
+              eta: float = 3.0, chunk: int | None = None):
+    """(an LK loss of x @ weight.T against probs[rows], summed over rows; the argmax of the logits [N]), a chunk of
+    rows at a time with the gradients formed in the forward, as `linear_soft_ce` does for KL, so that the fp32
+    [N, Vd] logits, softmax and min(p, q) never exist whole. Equals `eyas.train.ttt.lk_loss_sum` on the logits
+    (kind "lk_alpha" or "lk_hybrid"); under autocast the product runs in the autocast dtype, as a Linear would."""
+    if kind not in ("lk_alpha", "lk_hybrid"):
+        raise ValueError(f"linear_lk: kind={kind!r}, expected lk_alpha or lk_hybrid")
+    if rows.shape[0] != x.shape[0]:
+        raise ValueError(f"linear_lk: {x.shape[0]} rows of x but {rows.shape[0]} target rows")
+    dev = x.device.type
+    compute_dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
+    # about twice the soft CE's fp32 passes live at once (q, log q, p, min and the gradient): half its rows
+    return _LinearTargetLoss.apply(x, weight, probs, rows, compute_dtype,
+                                   chunk or max(1, rows_per_chunk(weight.shape[0]) // 2),
+                                   functools.partial(lk_chunk, kind=kind, eta=float(eta)))
 
 
 # ---------------------------------------------------------------- lm_head + weighted hard-label cross-entropy

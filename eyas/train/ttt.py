@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from eyas.draft import Eagle3Draft, rope_cos_sin
-from eyas.train.kernels import dense_attention, flex_attention_step, linear_soft_ce, ttt_block_mask
+from eyas.train.kernels import LK_EPS, dense_attention, flex_attention_step, linear_lk, linear_soft_ce, ttt_block_mask
 
 
 def shift_left(x: torch.Tensor, n: int) -> torch.Tensor:
@@ -192,7 +192,6 @@ ATTENTION_IMPLS = ("dense", "flex", "reference")
 LOSSES = ("kl", "lk_alpha", "lk_hybrid")
 MASK_TOKENS = ("predicted", "position")
 LOSS_NORMS = ("counted", "all")
-_LK_EPS = 1e-5  # floor of the acceptance rate under -log(alpha): a draft that puts no mass on p stays finite
 
 
 @dataclass(frozen=True)
@@ -231,7 +230,7 @@ def lk_loss_sum(logits: torch.Tensor, probs: torch.Tensor, kind: str, eta: float
     logq = logits.float().log_softmax(-1)  # [N, Vd]
     alpha = torch.minimum(probs, logq.exp()).sum(-1)  # [N]
     if kind == "lk_alpha":
-        return -alpha.clamp_min(_LK_EPS).log().sum()
+        return -alpha.clamp_min(LK_EPS).log().sum()
     kl = (torch.xlogy(probs, probs) - probs * logq).sum(-1)  # [N]; 0 log 0 = 0
     lam = torch.exp(-eta * alpha.detach())
     return (lam * kl + (1 - lam) * (1 - alpha)).sum()
@@ -262,7 +261,7 @@ def ttt_forward(draft: Eagle3Draft, batch: dict, lm_head_weight: torch.Tensor, t
     F.cross_entropy); `impl="fast"` uses `attention` ("dense" or "flex", eyas/train/kernels.py), the fused
     lm_head + soft cross-entropy, and few host syncs. `step_fn` replaces `draft_step` (a compiled one);
     `compiled_ce` compiles the soft cross-entropy's passes over the logits (eyas/train/kernels.py). `loss`:
-    which loss and which positions count (LossSpec); an LK loss materialises each step's [N_k, Vd] logits.
+    which loss and which positions count (LossSpec); the fast path chunks an LK loss as it does KL.
     """
     if impl not in ("fast", "reference") or attention not in ATTENTION_IMPLS:
         raise ValueError(f"impl={impl!r} / attention={attention!r}: expected fast|reference / {ATTENTION_IMPLS}")
@@ -322,10 +321,13 @@ def ttt_forward(draft: Eagle3Draft, batch: dict, lm_head_weight: torch.Tensor, t
         n = counts[k]
         if return_logits:
             logits_k.append(draft.lm_head(draft.head_input(flat_h)).view(b, t, -1))  # [B, T, Vd]
-        if loss.kind != "kl":
+        if loss.kind != "kl" and impl == "reference":
             logits = draft.lm_head(draft.head_input(flat_h[anchors]))  # [N_k, Vd]
             loss_sum = lk_loss_sum(logits, target.probs[rows], loss.kind, loss.lk_eta)
             predicted = logits.detach().argmax(-1)
+        elif loss.kind != "kl":  # the same, a chunk of rows at a time (no [N_k, Vd] logits kept)
+            loss_sum, predicted = linear_lk(draft.head_input(flat_h[anchors]), draft.lm_head.weight, target.probs,
+                                            rows, loss.kind, loss.lk_eta)
         # soft cross-entropy = forward KL to the target distribution up to a constant
         elif impl == "reference":
             logits = draft.lm_head(draft.head_input(flat_h[anchors]))  # [N_k, Vd]

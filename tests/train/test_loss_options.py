@@ -7,6 +7,7 @@ import torch
 from torch.testing import assert_close
 
 from eyas.draft import DraftConfig, Eagle3Draft
+from eyas.train.kernels import linear_lk
 from eyas.train.ttt import LossSpec, lk_loss_sum, ttt_forward
 from test_ttt import A, H, V, VD, make_batch, make_draft, naive_logits
 
@@ -118,6 +119,47 @@ def test_ttt_lk_loss_equals_direct_and_training_reduces_it(kind):
         opt.step()
     last = float(ttt_forward(draft, batch, lm, ttt=2, loss=spec).loss.detach())
     assert last < 0.8 * first, (first, last)
+
+
+@pytest.mark.parametrize("kind", ["lk_alpha", "lk_hybrid"])
+def test_chunked_lk_equals_the_plain_loss_and_its_gradients(kind):
+    """linear_lk (chunks of 3 rows, the gradient written out) against lk_loss_sum on the full logits with
+    autograd: the same loss, argmax and gradients of x and the head. Among the rows: a one-hot target, a target
+    equal to the draft's own distribution (alpha = 1) and one where the draft puts almost no mass on the target
+    (lk_alpha's floor: no gradient there). Under bf16 autocast the product runs in bf16 as a Linear's would."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(8, 6, generator=g, dtype=torch.float64)
+    w = torch.randn(11, 6, generator=g, dtype=torch.float64)
+    x[2] *= 40  # row 2's logits spread far apart: almost no mass on its smallest logit's token
+    z = x @ w.T
+    p = torch.softmax(torch.randn(8, 11, generator=g, dtype=torch.float64) * 2, -1)  # row i's target
+    p[0] = 0.0
+    p[0, 4] = 1.0  # one-hot
+    p[1] = z[1].softmax(-1)  # the draft's own distribution
+    p[2] = 0.0
+    p[2, int(z[2].argmin())] = 1.0
+    alpha = torch.minimum(p, z.softmax(-1)).sum(-1)
+    assert alpha[2] < 1e-5 and abs(float(alpha[1]) - 1) < 1e-12
+    probs, rows = p.flip(0), torch.arange(7, -1, -1)  # probs[rows[i]] is row i's target, as in training
+    xa, wa = x.clone().requires_grad_(True), w.clone().requires_grad_(True)
+    want = lk_loss_sum(xa @ wa.T, p, kind, eta=2.5)
+    want.backward()
+    xb, wb = x.clone().requires_grad_(True), w.clone().requires_grad_(True)
+    got, argmax = linear_lk(xb, wb, probs, rows, kind, eta=2.5, chunk=3)
+    (2 * got).backward()  # the incoming gradient scales both
+    assert_close(got.double(), want.detach().double(), rtol=1e-6, atol=1e-6)  # log-softmax in fp32 in both
+    assert torch.equal(argmax, z.argmax(-1))
+    assert_close(xb.grad, 2 * xa.grad, rtol=1e-5, atol=1e-6)
+    assert_close(wb.grad, 2 * wa.grad, rtol=1e-5, atol=1e-6)
+    if kind == "lk_alpha":
+        assert xb.grad[2].abs().max() == 0  # under the floor: no gradient
+    else:
+        assert xb.grad[2].abs().max() > 0
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        low, _ = linear_lk(x.float(), w.float(), probs.float(), rows, kind, chunk=3)
+    plain = lk_loss_sum(x.float().bfloat16() @ w.float().bfloat16().T, p.float(), kind)
+    assert low.dtype == torch.float32
+    assert_close(low, plain.float(), rtol=1e-5, atol=1e-5)
 
 
 def test_unknown_loss_is_refused():
