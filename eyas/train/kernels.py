@@ -157,38 +157,46 @@ def _scaled_grads(ctx, grad_loss):
 
 
 class _LinearTargetLoss(torch.autograd.Function):
-    """sum over rows of a loss of x @ weight.T against target distributions, a chunk of rows at a time: fn(logits,
-    probs, rows, grad_dtype) -> (the chunk's summed loss, argmax, d loss / d logits or None) is the loss."""
+    """sum over rows of a loss of x @ weight.T, a chunk of rows at a time: fn(logits, target, rows, grad_dtype) ->
+    (the chunk's summed loss, argmax, d loss / d logits or None[, a per-row figure]) is the loss; `target` is
+    what fn reads its targets from (rows [N] says which entry belongs to each x row). Returns (loss, argmax,
+    the per-row figures [N] fp32, or an empty tensor where fn gives none)."""
 
     @staticmethod
-    def forward(ctx, x, weight, probs, rows, compute_dtype, chunk, fn):
-        # x [N, H]; weight [Vd, H]; probs [M, Vd] fp32 target distributions, rows [N] the one of each x row
+    def forward(ctx, x, weight, target, rows, compute_dtype, chunk, fn):
+        # x [N, H]; weight [Vd, H]
         with torch.autocast(x.device.type, enabled=False):
             w = weight.to(compute_dtype)
             xc = x.to(compute_dtype)
-            want_grad = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
+            want_x, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
             n = xc.shape[0]
             loss = torch.zeros((), dtype=torch.float32, device=x.device)
             argmax = torch.empty(n, dtype=torch.long, device=x.device)
-            grad_x = torch.empty_like(xc) if want_grad and ctx.needs_input_grad[0] else None
-            grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=x.device) if want_grad else None
+            per_row = None
+            grad_x = torch.empty_like(xc) if want_x else None
+            grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=x.device) if want_w else None
             for i in range(0, n, chunk):
                 xi = xc[i:i + chunk]
-                part, argmax[i:i + chunk], g = fn(xi @ w.T, probs, rows[i:i + chunk],
-                                                  compute_dtype if want_grad else None)
+                part, argmax[i:i + chunk], g, *extra = fn(xi @ w.T, target, rows[i:i + chunk],
+                                                          compute_dtype if want_x or want_w else None)
                 loss += part
-                if want_grad:
-                    if grad_x is not None:
-                        grad_x[i:i + chunk] = g @ w
+                if extra:
+                    if per_row is None:
+                        per_row = torch.empty(n, dtype=torch.float32, device=x.device)
+                    per_row[i:i + chunk] = extra[0]
+                if want_x:
+                    grad_x[i:i + chunk] = g @ w
+                if want_w:
                     grad_w += (g.T @ xi).float()
-        if want_grad:
-            ctx.save_for_backward(grad_x if grad_x is not None else torch.empty(0), grad_w)
-            ctx.x_dtype, ctx.w_dtype = x.dtype, weight.dtype
-        ctx.mark_non_differentiable(argmax)
-        return loss, argmax
+        none = torch.empty(0, device=x.device)
+        ctx.save_for_backward(grad_x if want_x else none, grad_w if want_w else none)
+        ctx.x_dtype, ctx.w_dtype = x.dtype, weight.dtype
+        per_row = none if per_row is None else per_row
+        ctx.mark_non_differentiable(argmax, per_row)
+        return loss, argmax, per_row
 
     @staticmethod
-    def backward(ctx, grad_loss, _grad_argmax):
+    def backward(ctx, grad_loss, _grad_argmax, _grad_per_row):
         return *_scaled_grads(ctx, grad_loss), None, None, None, None, None
 
 
@@ -206,8 +214,9 @@ def linear_soft_ce(x: torch.Tensor, weight: torch.Tensor, probs: torch.Tensor, r
         rows = torch.arange(probs.shape[0], device=probs.device)
     if rows.shape[0] != x.shape[0]:
         raise ValueError(f"linear_soft_ce: {x.shape[0]} rows of x but {rows.shape[0]} target rows")
-    return _LinearTargetLoss.apply(x, weight, probs, rows, compute_dtype, chunk or rows_per_chunk(weight.shape[0]),
-                                   _chunk_fn(compiled))
+    loss, argmax, _ = _LinearTargetLoss.apply(x, weight, probs, rows, compute_dtype,
+                                              chunk or rows_per_chunk(weight.shape[0]), _chunk_fn(compiled))
+    return loss, argmax
 
 
 # ---------------------------------------------------------------- lm_head + an LK loss
@@ -261,50 +270,31 @@ def linear_lk(x: torch.Tensor, weight: torch.Tensor, probs: torch.Tensor, rows: 
     dev = x.device.type
     compute_dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
     # about twice the soft CE's fp32 passes live at once (q, log q, p, min and the gradient): half its rows
-    return _LinearTargetLoss.apply(x, weight, probs, rows, compute_dtype,
-                                   chunk or max(1, rows_per_chunk(weight.shape[0]) // 2),
-                                   functools.partial(lk_chunk, kind=kind, eta=float(eta)))
+    loss, argmax, _ = _LinearTargetLoss.apply(x, weight, probs, rows, compute_dtype,
+                                              chunk or max(1, rows_per_chunk(weight.shape[0]) // 2),
+                                              functools.partial(lk_chunk, kind=kind, eta=float(eta)))
+    return loss, argmax
 
 
 # ---------------------------------------------------------------- lm_head + weighted hard-label cross-entropy
 
-class _LinearWeightedCE(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, weight, labels, row_weights, compute_dtype, chunk):
-        # x [N, H]; weight [V, H]; labels [N]; row_weights [N] fp32
-        with torch.autocast(x.device.type, enabled=False):
-            w = weight.to(compute_dtype)
-            xc = x.to(compute_dtype)
-            want_x, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-            n = xc.shape[0]
-            loss = torch.zeros((), dtype=torch.float32, device=x.device)
-            ce = torch.empty(n, dtype=torch.float32, device=x.device)
-            argmax = torch.empty(n, dtype=torch.long, device=x.device)
-            grad_x = torch.empty_like(xc) if want_x else None
-            grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=x.device) if want_w else None
-            for i in range(0, n, chunk):
-                xi, lab, wt = xc[i:i + chunk], labels[i:i + chunk], row_weights[i:i + chunk].float()
-                z = (xi @ w.T).float()  # [n, V]
-                lse = torch.logsumexp(z, dim=-1)
-                ce[i:i + chunk] = lse - z.gather(1, lab[:, None])[:, 0]
-                argmax[i:i + chunk] = z.argmax(-1)
-                loss += (ce[i:i + chunk] * wt).sum()
-                if want_x or want_w:  # d loss / d logits = weight * (softmax - one_hot), built over z in place
-                    g = z.sub_(lse[:, None]).exp_()
-                    g[torch.arange(g.shape[0], device=g.device), lab] -= 1.0
-                    g = g.mul_(wt[:, None]).to(compute_dtype)
-                    if want_x:
-                        grad_x[i:i + chunk] = g @ w
-                    if want_w:
-                        grad_w += (g.T @ xi).float()
-        ctx.save_for_backward(grad_x if want_x else torch.empty(0), grad_w if want_w else torch.empty(0))
-        ctx.x_dtype, ctx.w_dtype = x.dtype, weight.dtype
-        ctx.mark_non_differentiable(ce, argmax)
-        return loss, ce, argmax
-
-    @staticmethod
-    def backward(ctx, grad_loss, _grad_ce, _grad_argmax):
-        return *_scaled_grads(ctx, grad_loss), None, None, None, None
+def weighted_ce_chunk(logits, target, rows, grad_dtype):
+    """One chunk of `linear_weighted_ce` after the matrix product: target = (labels [N], row weights [N]), rows [n]
+    this chunk's entries -> (the weighted cross-entropy summed over the rows (fp32), argmax [n], d loss / d logits
+    [n, V] in grad_dtype or None, the cross-entropy of each row [n] fp32). The gradient is weight * (softmax -
+    one_hot), built over the fp32 logits in place."""
+    labels, weights = target
+    lab, wt = labels[rows], weights[rows].float()
+    z = logits.float()  # [n, V]
+    lse = torch.logsumexp(z, dim=-1)
+    ce = lse - z.gather(1, lab[:, None])[:, 0]
+    argmax = z.argmax(-1)
+    loss = (ce * wt).sum()
+    if grad_dtype is None:
+        return loss, argmax, None, ce
+    g = z.sub_(lse[:, None]).exp_()
+    g[torch.arange(g.shape[0], device=g.device), lab] -= 1.0
+    return loss, argmax, g.mul_(wt[:, None]).to(grad_dtype), ce
 
 
 def linear_weighted_ce(x: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, row_weights: torch.Tensor,
@@ -319,5 +309,7 @@ def linear_weighted_ce(x: torch.Tensor, weight: torch.Tensor, labels: torch.Tens
     if not (x.shape[0] == labels.shape[0] == row_weights.shape[0]):
         raise ValueError(f"linear_weighted_ce: {x.shape[0]} rows of x, {labels.shape[0]} labels, "
                          f"{row_weights.shape[0]} weights")
-    return _LinearWeightedCE.apply(x, weight, labels, row_weights, compute_dtype,
-                                   chunk or rows_per_chunk(weight.shape[0]))
+    rows = torch.arange(x.shape[0], device=x.device)
+    loss, argmax, ce = _LinearTargetLoss.apply(x, weight, (labels, row_weights), rows, compute_dtype,
+                                               chunk or rows_per_chunk(weight.shape[0]), weighted_ce_chunk)
+    return loss, ce, argmax
