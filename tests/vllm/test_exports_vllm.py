@@ -84,3 +84,16 @@ def test_vllm_counters_equal_eyas_engine_per_request(served, eyas_counts, fmt):
     assert [r["per_cycle"] for r in served[fmt]] == [r["per_cycle"] for r in eyas_counts]
     assert sum(r["accepted"] for r in want) > 0  # the draft is accepted at times: the comparison has content
     assert any(r["per_position"][K - 1] for r in want)  # up to the last position
+
+
+def test_counters_stay_the_engines_own_after_another_engine_started(served, tiny_llama_eagle3, prompts,
+                                                                     tiny_llama_target):
+    """`served` started (and ended) the speculators export's engine after the session's engine for the vllm export;
+    each engine start replaces the metrics in prometheus' process-wide registry (what `llm.get_metrics()` reads),
+    yet the session engine's counters still count its own drafts, as its per-request report does."""
+    from eyas.stages.eval_vllm import sampling
+
+    (output,), _, counts = tiny_llama_eagle3.generate([prompts[0]], sampling(0.0, NEW, eos_ids(tiny_llama_target)))
+    assert counts["drafts"] == len(output["accepted"]) > 0
+    assert counts["accepted"] == sum(output["accepted"])
+    assert sum(counts["per_position"]) == counts["accepted"]
