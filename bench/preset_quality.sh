@@ -15,6 +15,7 @@
 #        block, then EAGLE-3 on both in fp32: no turn may differ from plain decoding there), EVX (extra arguments
 #        for every eval, e.g. "--max-new-tokens 128"); entry i writes its results to W/eval-i-FAMILY-BENCH
 #
+# Each trained draft is also exported for vLLM in bf16 to W/export-<family> (eval reads it with --draft there).
 # Timestamps of each phase go to W/times.txt, each command's output to W/<phase>.log. Evals run one at a time on a
 # quiet GPU, so their speedups stand; the trainings share it, so their rates do not (rerun one alone for that).
 CONFIG=${CONFIG:-full}; FAMILIES=${FAMILIES:-eagle3 dflash}; DSET=${DSET:---set dflash.layers=5}; PY=${PY:-python3}
@@ -32,7 +33,10 @@ for family in $FAMILIES; do
   [ -f "$W/.trained-$family" ] && continue
   extra=""; [ "$family" = dflash ] && extra="--set train.method=dflash $DSET"
   ( $PY -m eyas train --config "$CONFIG" ${XSET:-} $extra --store "$W/store" --out "$W/$family" --resume \
-      > "$W/train-$family.log" 2>&1; rc=$?; t "trained-$family-rc$rc"; [ $rc = 0 ] && touch "$W/.trained-$family" ) &
+      > "$W/train-$family.log" 2>&1; rc=$?; t "trained-$family-rc$rc"
+    # the draft in bf16 as vLLM loads it: small enough to take elsewhere, and `eyas eval --draft` reads it
+    [ $rc = 0 ] && $PY -m eyas export "$W/$family" --to vllm --dtype bf16 --out "$W/export-$family" \
+      > "$W/export-$family.log" 2>&1 && touch "$W/.trained-$family" ) &
 done
 wait
 IFS='|' read -ra evals <<< "$EVALS"
