@@ -35,8 +35,8 @@ for family in $FAMILIES; do
   ( $PY -m eyas train --config "$CONFIG" ${XSET:-} $extra --store "$W/store" --out "$W/$family" --resume \
       > "$W/train-$family.log" 2>&1; rc=$?; t "trained-$family-rc$rc"
     # the draft in bf16 as vLLM loads it: small enough to take elsewhere, and `eyas eval --draft` reads it
-    [ $rc = 0 ] && $PY -m eyas export "$W/$family" --to vllm --dtype bf16 --out "$W/export-$family" \
-      > "$W/export-$family.log" 2>&1 && touch "$W/.trained-$family" ) &
+    if [ $rc = 0 ]; then $PY -m eyas export "$W/$family" --to vllm --dtype bf16 --out "$W/export-$family" \
+      > "$W/export-$family.log" 2>&1 && touch "$W/.trained-$family" || t "export-$family-FAILED"; fi ) &
 done
 wait
 IFS='|' read -ra evals <<< "$EVALS"

@@ -7,12 +7,12 @@ a checkpoint is first exported in the `vllm` format to a temporary directory. `t
 `batch_size` requests go to the engine at once; a conversation's next turn follows the engine's own answer.
 
 vLLM's counters (drafts, accepted draft tokens, accepted per position; the `vllm:spec_decode_*` metrics of the
-engine's own Prometheus logger), read before and after each generate call, give the pooled figures: tau = 1 + accepted / drafts, tokens per
-verification, as eyas's tau_pooled. Each request's accepted drafts per verification come with its output
-(`per_request_spec_decode_metrics="detailed"`, vLLM 0.32): the per-request tau, and turns in the same schema as
-eyas eval's. A plain engine (no draft), started once the speculative ones are shut down, then decodes the same
-contexts in the same batches: tokens/s without the draft, the speedup, and at temperature 0 the turns and requests
-whose output differs from it.
+engine's own Prometheus logger), read before and after each generate call, give the pooled figures: tau = 1 +
+accepted / drafts, tokens per verification, as eyas's tau_pooled. Each request's accepted drafts per verification
+come with its output (`per_request_spec_decode_metrics="detailed"`, vLLM 0.32): the per-request tau, and turns in
+the same schema as eyas eval's. A plain engine (no draft), started once the speculative ones are shut down, then
+decodes the same contexts in the same batches: tokens/s without the draft, the speedup, and at temperature 0 the
+turns and requests whose output differs from it.
 """
 
 from __future__ import annotations
@@ -92,6 +92,10 @@ class ServingEngine:
                             f"{text[-1][:300] if text else ''}); check target.engine and the log above") from e
         print0(f"vLLM {vllm.__version__} engine started in {time.perf_counter() - t0:.1f} s: "
                f"{f'EAGLE-3 draft {draft_dir}, {k} tokens a cycle' if draft_dir else 'plain decoding'}")
+        self.spec_prom = _spec_prom(self.llm)
+        if self.spec_prom is None:
+            warn("vLLM's engine has no Prometheus logger where eyas looks for it: its counters are read from the "
+                 "process-wide registry, which holds the newest engine's only")
 
     def __enter__(self):
         return self
@@ -110,16 +114,10 @@ class ServingEngine:
 
         `llm.get_metrics()` reads prometheus' process-wide registry, from which every engine start removes the
         earlier engines' metrics: with two engines alive in one process it reports the newest one's. So the
-        counters are read from this engine's own Prometheus logger, and from the registry only where vLLM has
-        no such logger (another vLLM release), with a warning."""
-        own = _own_spec_counters(self.llm)
-        if own is not None:
-            return {"drafts": own[0], "accepted": own[1], "per_position": (own[2] + [0] * self.k)[:self.k]}
-        global _warned_registry
-        if not _warned_registry:
-            warn("vLLM's engine has no Prometheus logger where eyas looks for it: its counters are read from the "
-                 "process-wide registry, which holds the newest engine's only")
-            _warned_registry = True
+        counters are read from this engine's own Prometheus logger (`spec_prom`, found at the start), and from the
+        registry only where vLLM has no such logger (another vLLM release; the start warned of it)."""
+        if self.spec_prom is not None:
+            return _own_counters(self.spec_prom, self.k)
         out = {"drafts": 0, "accepted": 0, "per_position": [0] * self.k}
         for m in self.llm.get_metrics():
             if m.name == DRAFTS:
@@ -143,33 +141,32 @@ class ServingEngine:
         return [_output(o.outputs[0]) for o in outs], seconds, delta
 
 
-_warned_registry = False
-
-
-def _own_spec_counters(llm) -> tuple[int, int, list[int]] | None:
-    """(drafts, accepted draft tokens, accepted per position) from the engine's own Prometheus logger (vLLM 0.32:
+def _spec_prom(llm):
+    """The speculative-decoding metrics of the engine's own Prometheus logger (vLLM 0.32:
     llm_engine.logger_manager.stat_loggers holds a PrometheusStatLogger whose spec_decoding_prom keeps one labelled
-    counter per engine index); zeros without a draft; None where that structure is not there."""
+    counter per engine index), or None where that structure is not there."""
     try:
         from vllm.v1.metrics.loggers import PrometheusStatLogger
 
         loggers = llm.llm_engine.logger_manager.stat_loggers
-        prom = next(lg for lg in loggers if isinstance(lg, PrometheusStatLogger)).spec_decoding_prom
+        return next(lg for lg in loggers if isinstance(lg, PrometheusStatLogger)).spec_decoding_prom
     except (AttributeError, ImportError, StopIteration):
         return None
+
+
+def _own_counters(prom, k: int) -> dict:
+    """{"drafts", "accepted", "per_position" [k]} from an engine's spec_decoding_prom (zeros without a draft)."""
     if not getattr(prom, "spec_decoding_enabled", False):
-        return 0, 0, []
+        return {"drafts": 0, "accepted": 0, "per_position": [0] * k}
 
     def total(counter) -> int:  # a labelled counter's value, through its public collect()
         return int(sum(s.value for m in counter.collect() for s in m.samples if s.name.endswith("_total")))
 
-    drafts = sum(total(c) for c in prom.counter_spec_decode_num_drafts.values())
-    accepted = sum(total(c) for c in prom.counter_spec_decode_num_accepted_tokens.values())
-    per_position: list[int] = []
-    for children in prom.counter_spec_decode_num_accepted_tokens_per_pos.values():
-        values = [total(c) for c in children]
-        per_position = [a + b for a, b in zip(per_position, values)] if per_position else values
-    return drafts, accepted, per_position
+    per_engine = [[total(c) for c in children]
+                  for children in prom.counter_spec_decode_num_accepted_tokens_per_pos.values()]
+    return {"drafts": sum(total(c) for c in prom.counter_spec_decode_num_drafts.values()),
+            "accepted": sum(total(c) for c in prom.counter_spec_decode_num_accepted_tokens.values()),
+            "per_position": ([sum(col) for col in zip(*per_engine)] + [0] * k)[:k]}
 
 
 def _output(completion) -> dict:
