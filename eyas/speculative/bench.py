@@ -5,8 +5,8 @@ chains only (`block_settings`).
 
 A benchmark is a list of requests `{"id", "turns": [user message, ...]}`. Each turn is encoded with
 the chat template over the conversation so far, whose assistant turns are the model's own answers
-(MT-bench's second turn follows the first answer). The same contexts are then decoded by plain
-decoding in the same engine and by transformers `generate`, after a warm-up, for the speedups.
+(MT-bench's second turn follows the first answer). The same contexts, each setting's own, are then decoded
+by plain decoding in the same engine and by transformers `generate`, after a warm-up, for the speedups.
 At temperature 0 the speculative tokens must equal plain decoding's; mismatches are counted, and for each
 differing turn the first differing position and the plain path's top-2 logit margin there are recorded
 (`plain_divergence`), with their distribution in the summary.
@@ -195,38 +195,54 @@ def run_spec(engine: SpecEngine, tokenizer, requests: list[dict], setting: dict,
     return records, stats
 
 
-def run_baselines(engine: SpecEngine, model, records: list[dict], temperature: float, max_new_tokens: int,
-                  eos: list[int], hf: bool = True, pad_id=None, seed: int = 0) -> dict:
-    """Plain decoding (same engine) and transformers generate on the contexts of `records`."""
-    import torch
+class Baselines:
+    """Plain decoding (same engine) and transformers generate on the contexts of a setting's turns, each context
+    decoded once per benchmark. A later setting's turns may have other contexts (MT-bench's second turn follows
+    that setting's own first answer, which may differ by a near-tie in low precision): those are decoded too, so
+    each setting is compared, timed and given its n-gram baseline on its own contexts, never another's."""
 
-    gen = _generator(engine, seed)
-    contexts = [t["prompt_ids"] for r in records for t in r["turns"]]
-    plain_tokens, plain_n, plain_s = [], 0, 0.0
-    for ids in progress(contexts, desc="plain decoding", unit="turn"):
-        res = engine.plain_generate(ids, max_new_tokens, temperature=temperature, eos_token_ids=eos, generator=gen)
-        plain_tokens.append(res.tokens)
-        plain_n += len(res.tokens)
-        plain_s += res.total_s
-    out = {"plain_tokens": plain_tokens, "plain_tokens_per_s": plain_n / plain_s if plain_s else 0.0,
-           "plain_total_s": plain_s, "plain_num_tokens": plain_n}
-    if hf:
-        kwargs = dict(do_sample=temperature > 0, max_new_tokens=max_new_tokens, eos_token_id=eos or None,
-                      pad_token_id=pad_id)
-        if temperature > 0:
-            kwargs.update(temperature=temperature, top_k=0, top_p=1.0)
-        hf_n, hf_s = 0, 0.0
+    def __init__(self, engine: SpecEngine, model, temperature: float, max_new_tokens: int, eos: list[int],
+                 hf: bool = True, pad_id=None, seed: int = 0):
+        self.engine, self.model, self.hf, self.pad_id = engine, model, hf, pad_id
+        self.temperature, self.max_new_tokens, self.eos = temperature, max_new_tokens, eos
+        self.gen = _generator(engine, seed)
+        self.plain: dict[tuple, tuple[list[int], float]] = {}  # context -> (tokens, seconds)
+        self.generate: dict[tuple, tuple[int, float]] = {}  # context -> (new tokens, seconds)
+
+    def of(self, records: list[dict]) -> dict:
+        """-> {"plain_tokens" (one list per turn, in order), "plain_tokens_per_s", "plain_total_s",
+        "plain_num_tokens", "plain_contexts_decoded" (new for this call), and hf_* likewise with `hf`}."""
+        contexts = [tuple(t["prompt_ids"]) for r in records for t in r["turns"]]
+        new = list(dict.fromkeys(c for c in contexts if c not in self.plain))
+        for ids in progress(new, desc="plain decoding", unit="turn"):
+            res = self.engine.plain_generate(list(ids), self.max_new_tokens, temperature=self.temperature,
+                                             eos_token_ids=self.eos, generator=self.gen)
+            self.plain[ids] = (res.tokens, res.total_s)
+        plain = [self.plain[c] for c in contexts]
+        n, sec = sum(len(t) for t, _ in plain), sum(s for _, s in plain)
+        out = {"plain_tokens": [t for t, _ in plain], "plain_tokens_per_s": n / sec if sec else 0.0,
+               "plain_total_s": sec, "plain_num_tokens": n, "plain_contexts_decoded": len(new)}
+        if self.hf:
+            self._hf_generate([c for c in dict.fromkeys(contexts) if c not in self.generate])
+            n, sec = sum(self.generate[c][0] for c in contexts), sum(self.generate[c][1] for c in contexts)
+            out.update(hf_tokens_per_s=n / sec if sec else 0.0, hf_total_s=sec, hf_num_tokens=n)
+        return out
+
+    def _hf_generate(self, contexts: list[tuple]) -> None:
+        import torch
+
+        kwargs = dict(do_sample=self.temperature > 0, max_new_tokens=self.max_new_tokens,
+                      eos_token_id=self.eos or None, pad_token_id=self.pad_id)
+        if self.temperature > 0:
+            kwargs.update(temperature=self.temperature, top_k=0, top_p=1.0)
         for ids in progress(contexts, desc="transformers generate", unit="turn"):
-            x = torch.tensor([ids], device=engine.device)
-            engine._sync()
+            x = torch.tensor([list(ids)], device=self.engine.device)
+            self.engine._sync()
             t0 = time.perf_counter()
             with torch.no_grad():
-                y = model.generate(x, attention_mask=torch.ones_like(x), **kwargs)
-            engine._sync()
-            hf_s += time.perf_counter() - t0
-            hf_n += y.shape[1] - x.shape[1]
-        out.update(hf_tokens_per_s=hf_n / hf_s if hf_s else 0.0, hf_total_s=hf_s, hf_num_tokens=hf_n)
-    return out
+                y = self.model.generate(x, attention_mask=torch.ones_like(x), **kwargs)
+            self.engine._sync()
+            self.generate[ids] = (y.shape[1] - x.shape[1], time.perf_counter() - t0)
 
 
 def plain_divergence(model, device, prompt_ids: list[int], plain: list[int], tokens: list[int]) -> dict | None:
@@ -278,7 +294,7 @@ def bench_one(engine, target, bench: str, settings, temperature: float, max_new_
               out_paths: dict, hf: bool = True, extra_settings: dict | None = None,
               chat_template_kwargs: dict | None = None) -> dict:
     """Run every setting on one benchmark; write JSON and PNG per setting. -> {setting: summary}; each
-    summary's `wall_s` covers that setting (the first one also pays for the baselines it runs).
+    summary's `wall_s` covers that setting and the baseline contexts it added (Baselines).
     `chat_template_kwargs` render the prompts as the data was prepared (data.chat_template_kwargs)."""
     from eyas.data.template import stop_token_ids
 
@@ -287,7 +303,8 @@ def bench_one(engine, target, bench: str, settings, temperature: float, max_new_
     requests = load_bench(bench, limit)
     method = getattr(engine, "method", None) or "eagle3"
     warm_up(engine, target.model, tok, settings, eos, hf, chat_template_kwargs)
-    baseline, summaries = None, {}
+    baselines, summaries = Baselines(engine, target.model, temperature, max_new_tokens, eos, hf=hf,
+                                     pad_id=tok.pad_token_id), {}
     for name, setting in settings:
         started = time.perf_counter()
         depth = setting.get("steps") or setting["tree"][1]
@@ -306,9 +323,7 @@ def bench_one(engine, target, bench: str, settings, temperature: float, max_new_
         records, stats = run_spec(engine, tok, requests, setting, temperature, max_new_tokens, eos,
                                   desc=f"{bench_name(bench)} {name}", journal=journal,
                                   chat_template_kwargs=chat_template_kwargs)
-        if baseline is None:
-            baseline = run_baselines(engine, target.model, records, temperature, max_new_tokens, eos, hf=hf,
-                                     pad_id=tok.pad_token_id)
+        baseline = baselines.of(records)  # plain decoding of this setting's own contexts
         summary = summarize(stats, depth)
         summary["speedup_vs_plain"] = summary["tokens_per_s"] / baseline["plain_tokens_per_s"]
         summary["plain_tokens_per_s"] = baseline["plain_tokens_per_s"]

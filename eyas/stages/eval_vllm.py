@@ -11,8 +11,9 @@ engine's own Prometheus logger), read before and after each generate call, give 
 accepted / drafts, tokens per verification, as eyas's tau_pooled. Each request's accepted drafts per verification
 come with its output (`per_request_spec_decode_metrics="detailed"`, vLLM 0.32): the per-request tau, and turns in
 the same schema as eyas eval's. A plain engine (no draft), started once the speculative ones are shut down, then
-decodes the same contexts in the same batches: tokens/s without the draft, the speedup, and at temperature 0 the
-turns and requests whose output differs from it.
+decodes each setting's contexts in that setting's batches (a batch an earlier setting already had is not decoded
+again): tokens/s without the draft, the speedup, and at temperature 0 the turns and requests whose output differs
+from it, each on the setting's own contexts.
 """
 
 from __future__ import annotations
@@ -218,16 +219,25 @@ def decode_bench(engine: ServingEngine, tokenizer, requests: list[dict], batch_s
     return records, calls
 
 
-def replay(engine: ServingEngine, records: list[dict], calls: list[dict], params) -> dict:
+def replay(engine: ServingEngine, records: list[dict], calls: list[dict], params, done: dict | None = None) -> dict:
     """The contexts of `calls` decoded in the same batches -> {"tokens": {(request, turn): ids}, "seconds",
-    "num_tokens"}."""
-    tokens, seconds, num = {}, 0.0, 0
+    "num_tokens", "calls_decoded"}. `done` ({batch of contexts: (outputs, seconds)}, filled here) holds the batches
+    an earlier setting's replay decoded: a call of the same contexts is taken from it, so each setting is compared
+    and timed on its own contexts (a second turn follows that setting's own first answer) at no extra cost where
+    they are the same."""
+    done = {} if done is None else done
+    tokens, seconds, num, decoded = {}, 0.0, 0, 0
     for call in calls:
-        outputs, s, _ = engine.generate([records[i]["turns"][j]["prompt_ids"] for i, j in call["turns"]], params)
-        tokens.update(zip(call["turns"], (o["tokens"] for o in outputs)))
+        key = tuple(tuple(records[i]["turns"][j]["prompt_ids"]) for i, j in call["turns"])
+        if key not in done:
+            outputs, s, _ = engine.generate([list(c) for c in key], params)
+            done[key] = ([o["tokens"] for o in outputs], s)
+            decoded += 1
+        outputs, s = done[key]
+        tokens.update(zip(call["turns"], outputs))
         seconds += s
-        num += sum(len(o["tokens"]) for o in outputs)
-    return {"tokens": tokens, "seconds": seconds, "num_tokens": num}
+        num += sum(len(o) for o in outputs)
+    return {"tokens": tokens, "seconds": seconds, "num_tokens": num, "calls_decoded": decoded}
 
 
 def summarize(records: list[dict], calls: list[dict], plain: dict, k: int, batch_size: int,
@@ -339,12 +349,14 @@ def run(cfg, draft: str | Path, settings: list[tuple[str, dict]], result_path, *
                 spec[name] = {b: decode_bench(engine, tok, reqs, batch_size, params, kwargs)
                               for b, reqs in benches.items()}
             wall[name] = time.perf_counter() - t0
-    first = settings[0][0]
-    t0 = time.perf_counter()
-    with ServingEngine(model, dtype=dtype, engine=cfg.target.engine) as engine:  # the baseline, same batches
+    plain: dict = {}  # {setting: {bench: replay}}, each setting's own contexts in its own batches
+    with ServingEngine(model, dtype=dtype, engine=cfg.target.engine) as engine:
         engine.generate(hello, warm)
-        plain = {b: replay(engine, *spec[first][b], params) for b in benches}
-    wall[first] += time.perf_counter() - t0
+        done = {b: {} for b in benches}
+        for name, _ in settings:
+            t0 = time.perf_counter()
+            plain[name] = {b: replay(engine, *spec[name][b], params, done[b]) for b in benches}
+            wall[name] += time.perf_counter() - t0
     about = {"engine": "vllm", "batch_size": batch_size, "temperature": cfg.eval.temperature,
              "max_new_tokens": cfg.eval.max_new_tokens, "limit": cfg.eval.limit, "target": target.identity,
              "dtype": dtype, "target_engine": cfg.target.engine, "draft": str(draft), "served_draft": served,
@@ -355,7 +367,8 @@ def run(cfg, draft: str | Path, settings: list[tuple[str, dict]], result_path, *
         summaries, paths = {}, {}
         for name, setting in settings:
             records, calls = spec[name][bench]
-            summary = summarize(records, calls, plain[bench], setting["steps"], batch_size, cfg.eval.temperature)
+            summary = summarize(records, calls, plain[name][bench], setting["steps"], batch_size,
+                                cfg.eval.temperature)
             summary["wall_s"] = wall[name] / len(benches)
             path = Path(result_path(bench, name))
             _write_result(path, {"bench": bench, "setting": name, "steps": setting["steps"], **about}, summary,

@@ -120,3 +120,76 @@ def test_equal_turns_record_no_divergence(tmp_path, tiny_target):
     assert doc["summary"]["plain_mismatches"] == 0
     assert doc["summary"]["plain_mismatch_margins"]["count"] == 0
     assert all("divergence" not in t for p in doc["prompts"] for t in p["turns"])
+
+
+def test_each_setting_is_compared_with_plain_decoding_of_its_own_contexts(tmp_path, tiny_target, monkeypatch):
+    """A two-turn conversation under two chain lengths. One verification of the second setting's first turn is
+    perturbed, so that setting's first answer differs from the first setting's and its second turn has another
+    context (the conversation so far). Its second turn must be compared with plain decoding of that context, which it
+    equals: only the perturbed turn differs. Compared with the first setting's plain decoding, it would count as a
+    difference with a margin measured on a context plain decoding never saw."""
+    state = {"settings": 0, "calls": 0}
+    accept, run_spec = engine_mod._accept, bench.run_spec
+
+    def perturbed_accept(logits, *args):
+        if state["settings"] == 2:
+            state["calls"] += 1
+            if state["calls"] == PERTURBED_CYCLE:
+                top = logits[0].topk(2)
+                logits = logits.clone()
+                logits[0, top.indices[0]], logits[0, top.indices[1]] = top.values[1], top.values[0]
+        return accept(logits, *args)
+
+    def counted_run_spec(*args, **kwargs):
+        state["settings"] += 1
+        return run_spec(*args, **kwargs)
+
+    monkeypatch.setattr(engine_mod, "_accept", perturbed_accept)
+    monkeypatch.setattr(bench, "run_spec", counted_run_spec)
+    step = save_step_dir(tmp_path / "step", tiny_target)
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"id": "a", "conversations": [{"from": "human", "value": "hello there"},
+                                                                {"from": "gpt", "value": "hi"},
+                                                                {"from": "human", "value": "one two"}]}) + "\n")
+    rc = main(["eval", "--config", "tiny", "--target", "tiny", "--draft", str(step), "--bench", str(prompts),
+               "--set", "eval.steps=[2,3]", "--set", "eval.tree=null", "--max-new-tokens", "10",
+               "--no-hf-baseline", "--out-dir", str(tmp_path / "res")])
+    assert rc == 0 and state["settings"] == 2 and state["calls"] >= PERTURBED_CYCLE
+    first, second = (json.loads((tmp_path / "res" / f"p-chain-{k}.json").read_text()) for k in (2, 3))
+    assert first["summary"]["plain_mismatches"] == 0
+    turns = second["prompts"][0]["turns"]
+    assert turns[0]["tokens"] != first["prompts"][0]["turns"][0]["tokens"]  # the perturbed first answer
+    assert turns[1]["prompt_ids"] != first["prompts"][0]["turns"][1]["prompt_ids"]  # so another second context
+    from eyas.speculative.engine import SpecEngine
+
+    assert turns[1]["tokens"] == SpecEngine(tiny_target.model).plain_generate(turns[1]["prompt_ids"], 10).tokens
+    assert second["summary"]["plain_mismatches"] == 1 and "divergence" in turns[0] and "divergence" not in turns[1]
+    assert second["baseline"]["plain_contexts_decoded"] == 1  # the new second turn; the first turn's was decoded
+    assert first["baseline"]["plain_contexts_decoded"] == 2
+
+
+def test_vllm_plain_replay_decodes_each_settings_own_batches_once():
+    """eval --engine vllm's baseline: a setting whose second-turn batch has another context (its own first answer)
+    gets that batch decoded by the plain engine; a batch an earlier setting had is taken from it, timing included."""
+    from eyas.stages.eval_vllm import replay
+
+    class Plain:
+        def __init__(self):
+            self.batches = []
+
+        def generate(self, prompts, params):
+            self.batches.append(prompts)
+            return [{"tokens": [sum(p) % 97, len(p)]} for p in prompts], 0.5 * len(prompts), {}
+
+    def setting(second_context):
+        records = [{"turns": [{"prompt_ids": [1, 2]}, {"prompt_ids": second_context}]},
+                   {"turns": [{"prompt_ids": [3]}]}]
+        return records, [{"turns": [(0, 0), (1, 0)]}, {"turns": [(0, 1)]}]
+
+    engine, done = Plain(), {}
+    a = replay(engine, *setting([1, 2, 7]), None, done)
+    b = replay(engine, *setting([1, 2, 8]), None, done)
+    assert engine.batches == [[[1, 2], [3]], [[1, 2, 7]], [[1, 2, 8]]]
+    assert (a["calls_decoded"], b["calls_decoded"]) == (2, 1)
+    assert a["tokens"][(0, 1)] == [10, 3] and b["tokens"][(0, 1)] == [11, 3] and b["tokens"][(1, 0)] == [3, 1]
+    assert a["seconds"] == b["seconds"] == 1.5 and a["num_tokens"] == b["num_tokens"] == 6
