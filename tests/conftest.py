@@ -5,7 +5,9 @@ import os
 import pytest
 import torch
 
-torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+# two threads per test process; under pytest-xdist the cores are shared out between the workers
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+torch.set_num_threads(max(1, min(2, (os.cpu_count() or 1) // _WORKERS)))
 
 
 def pytest_collection_modifyitems(config, items):
@@ -18,6 +20,19 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "tests/gpu/" in str(item.fspath).replace(os.sep, "/") or item.get_closest_marker("gpu"):
             item.add_marker(skip)
+    # `make test` hands whole files to two workers in this order: the longest first, so both end about together
+    items.sort(key=lambda item: _rank(str(item.fspath)))  # stable
+
+
+# the files that take longest on two cores, longest first (about 40 to 200 s each); the rest follow in their order
+LONGEST = ["speculative/test_lossless_trained.py", "vllm/test_run_engine.py", "pipeline/test_pipeline_tiny.py",
+           "vllm/test_capture_store.py", "vllm/test_engine_service.py", "vllm/test_exports_vllm.py",
+           "vllm/test_eval_vllm.py", "target/test_load.py", "vllm/test_capture_deepseek_v3.py"]
+
+
+def _rank(path: str) -> int:
+    path = path.replace(os.sep, "/")
+    return next((i for i, name in enumerate(LONGEST) if path.endswith("tests/" + name)), len(LONGEST))
 
 
 @pytest.fixture(scope="session")
