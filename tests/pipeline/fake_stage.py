@@ -25,6 +25,9 @@ p.add_argument("--delay", type=float, default=0.0)
 p.add_argument("--follow", default=None)  # a directory to wait on until it holds COMPLETE (a store tail)
 p.add_argument("--fail-if", default=None)  # fail when this file exists (lets a test break one attempt)
 p.add_argument("--fail-if-late", default=None)  # the same, checked after --follow: a tail that fails late
+# the same, checked once --follow's directory holds its first item: a tail that fails while the stage it follows
+# has started and still writes, however slowly either process started
+p.add_argument("--fail-if-mid", default=None)
 p.add_argument("--resume", action="store_true")
 p.add_argument("--tail", action="store_true")
 args = p.parse_args()
@@ -68,6 +71,12 @@ if args.mode == "hang":
     record(result="hang")
     time.sleep(1000)
 
+if args.fail_if_mid:
+    while not (Path(args.follow) / "item-0").exists():
+        time.sleep(0.02)
+    if Path(args.fail_if_mid).exists():
+        record(result="fail")
+        sys.exit(3)
 if args.follow:
     while not (Path(args.follow) / "COMPLETE").exists():
         time.sleep(0.02)

@@ -206,7 +206,7 @@ def test_an_overlapped_train_resumes_with_its_checkpoints(tmp_path, fake_gpus, f
     (a new store) still starts train afresh."""
     run, record, flag = tmp_path / "run", tmp_path / "record.jsonl", tmp_path / "break-train"
     flag.write_text("")
-    fail = "--fail-if" if fails == "during capture" else "--fail-if-late"
+    fail = "--fail-if-mid" if fails == "during capture" else "--fail-if-late"
     stages = overlap_stages(tmp_path, train_args=[fail, str(flag)], delay=0.4)
     opts = RunOptions(gpus=[0, 1], echo=False, grace_s=0.5)
     with pytest.raises(StageFailed, match="train exited with code 3"):
