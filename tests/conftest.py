@@ -20,7 +20,8 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "tests/gpu/" in str(item.fspath).replace(os.sep, "/") or item.get_closest_marker("gpu"):
             item.add_marker(skip)
-    # `make test` hands whole files to two workers in this order: the longest first, so both end about together
+    # `make test` hands whole files to two workers in this order, the longest first (measured no faster than xdist's
+    # own order by test count, 921 s against 924 s, but it keeps the long tests from all starting last)
     items.sort(key=lambda item: _rank(str(item.fspath)))  # stable
 
 
