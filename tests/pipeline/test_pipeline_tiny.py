@@ -1,4 +1,8 @@
-"""`eyas run --preset tiny` end to end with the real stage commands, then a rerun that skips everything."""
+"""`eyas run --preset tiny` end to end with the real stage commands for both draft families, a rerun that skips
+everything, and a rerun after a DFlash-only change.
+
+One run covers both families: the EAGLE-3 stages are the same commands a single-family run calls (`eyas run`
+with the default `train.method` runs in tests/vllm/test_run_engine.py), and each tiny run costs about a minute."""
 
 import json
 import re
@@ -12,32 +16,9 @@ STAGE_COMMANDS = ["prepare", "capture", "train", "eval", "export"]
 
 
 @pytest.mark.slow
-def test_tiny_preset_end_to_end_then_skip(tmp_path):
-    run = tmp_path / "run"
-    cmd = [sys.executable, "-m", "eyas", "run", "--preset", "tiny", "--run-dir", str(run), "--quiet"]
-    first = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
-    stages = json.loads((run / "stages.json").read_text())["stages"]
-    assert {k: v["status"] for k, v in stages.items()} == {s: "done" for s in STAGE_COMMANDS}
-    assert (run / "store" / "manifest.json").exists()
-    # the tiny preset's eval settings (chain 3, tree 2,3,6), both from the one eval process of mt-bench
-    assert {p.name for p in (run / "eval").glob("*.json")} >= {"mt-bench-chain-3.json", "mt-bench-tree-2x3x6.json",
-                                                              "summary.json"}
-    report = (run / "report.md").read_text()
-    assert "vllm serve" in report and "sglang.launch_server" in report
-    assert "vLLM:" in first.stdout and "SGLang:" in first.stdout
-
-    t0 = time.monotonic()
-    again = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
-    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
-    assert time.monotonic() - t0 < 10
-    assert again.stdout.count("skipped") == len(STAGE_COMMANDS)
-
-
-@pytest.mark.slow
 def test_both_draft_families_from_one_store_side_by_side(tmp_path):
-    """train.method=[eagle3, dflash]: one store, each family trained, evaluated and exported; a change of the dflash
-    section reruns the DFlash stages only."""
+    """train.method=[eagle3, dflash]: one store, each family trained, evaluated and exported; the same command again
+    skips every stage at once; a change of the dflash section reruns the DFlash stages only."""
     run = tmp_path / "run"
     cmd = [sys.executable, "-m", "eyas", "run", "--preset", "tiny", "--run-dir", str(run), "--quiet",
            "--set", "train.method=[eagle3, dflash]", "--set", "dflash.block_size=4"]
@@ -54,6 +35,18 @@ def test_both_draft_families_from_one_store_side_by_side(tmp_path):
     report = (run / "report.md").read_text()
     assert "| EAGLE-3 | mt-bench-chain-3 |" in report and "| DFlash | mt-bench-chain-3 |" in report
     assert "## Training (DFlash)" in report and "## Export (EAGLE-3)" in report
+    assert (run / "store" / "manifest.json").exists()
+    # the tiny preset's eval settings for EAGLE-3 (chain 3, tree 2,3,6), both from the one eval process of mt-bench
+    assert {p.name for p in (run / "eval").glob("*.json")} >= {"mt-bench-chain-3.json", "mt-bench-tree-2x3x6.json",
+                                                              "summary.json"}
+    assert "vllm serve" in report and "sglang.launch_server" in report
+    assert "vLLM:" in first.stdout and "SGLang:" in first.stdout
+
+    t0 = time.monotonic()
+    same = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert same.returncode == 0, same.stdout[-3000:] + same.stderr[-3000:]
+    assert time.monotonic() - t0 < 15
+    assert same.stdout.count("skipped") == len(families)
 
     again = subprocess.run(cmd + ["--set", "dflash.layers=2"], capture_output=True, text=True, timeout=600)
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
