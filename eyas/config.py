@@ -398,7 +398,7 @@ class EvalConfig:
     def __post_init__(self):
         _check_fields("eval", self)
         if not self.benches:
-            raise ConfigError("eval.benches is empty; give mt-bench, humaneval or a JSONL file of prompts")
+            raise ConfigError("eval.benches is empty; give mt-bench, mt-bench-1, humaneval or a JSONL file of prompts")
         if not self.steps or any(k < 1 for k in self.steps):
             raise ConfigError(f"eval.steps={self.steps}: give at least one chain length, each >= 1")
         if self.tree is not None:

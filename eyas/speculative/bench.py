@@ -24,7 +24,7 @@ from eyas.speculative.engine import SpecEngine
 from eyas.speculative.stats import (first_difference, format_margins, format_summary, is_near_tie, logit_steps,
                                     margin_summary, ngram_summary, plot_acceptance, repeat_summary, summarize)
 
-BUILTIN = ("mt-bench", "humaneval")
+BUILTIN = ("mt-bench", "mt-bench-1", "humaneval")  # mt-bench-1: the 80 first turns alone
 
 
 def bench_name(bench: str) -> str:
@@ -33,10 +33,11 @@ def bench_name(bench: str) -> str:
 
 def load_bench(bench: str, limit: int = 0) -> list[dict]:
     """-> [{"id": str, "turns": [str, ...]}] for a built-in benchmark name or a JSONL file."""
-    if bench == "mt-bench":
+    if bench in ("mt-bench", "mt-bench-1"):
         from eyas.data.benchmarks import mtbench_questions
 
-        items = [{"id": q["id"], "turns": list(q["turns"])} for q in mtbench_questions()]
+        keep = 1 if bench == "mt-bench-1" else None
+        items = [{"id": q["id"], "turns": list(q["turns"])[:keep]} for q in mtbench_questions()]
     elif bench == "humaneval":
         from eyas.data.benchmarks import humaneval_prompts
 
@@ -48,7 +49,7 @@ def load_bench(bench: str, limit: int = 0) -> list[dict]:
 
 def _read_jsonl(path: Path) -> list[dict]:
     if not path.is_file():
-        raise EyasError(f"--bench {path}: not mt-bench, humaneval or an existing JSONL file")
+        raise EyasError(f"--bench {path}: not mt-bench, mt-bench-1, humaneval or an existing JSONL file")
     items = []
     with open(path, encoding="utf-8") as f:
         for num, line in enumerate(f, 1):

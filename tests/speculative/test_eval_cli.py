@@ -120,6 +120,21 @@ def test_eval_cli_tree_and_chain_on_mtbench(tmp_path, tiny_target):
         assert doc["summary"]["plain_mismatches"] == 0
 
 
+def test_mtbench_1_is_the_first_turns_alone():
+    from eyas.common import EyasError
+    from eyas.data.benchmarks import check_benches
+
+    try:
+        both = load_bench("mt-bench")
+    except EyasError as e:
+        pytest.skip(str(e))
+    check_benches(["mt-bench-1"])
+    first = load_bench("mt-bench-1")
+    assert len(first) == len(both) == 80 and all(len(q["turns"]) == 2 for q in both)
+    assert first == [{"id": q["id"], "turns": q["turns"][:1]} for q in both]
+    assert load_bench("mt-bench-1", 3) == first[:3]
+
+
 def test_bad_jsonl_names_the_line(tmp_path):
     from eyas.common import EyasError
 
