@@ -56,5 +56,5 @@ def test_run_checks_the_benchmarks_before_the_first_stage(tmp_path):
     run_dir = tmp_path / "run"
     out = run("run", "--preset", "tiny", "--run-dir", str(run_dir), "--set", f"eval.benches={tmp_path / 'nope.jsonl'}")
     assert out.returncode != 0
-    assert "nope.jsonl" in out.stderr + out.stdout and "is not mt-bench, humaneval or an existing JSONL file" in out.stderr + out.stdout
+    assert "nope.jsonl" in out.stderr + out.stdout and "is not mt-bench, mt-bench-1, humaneval or an existing JSONL file" in out.stderr + out.stdout
     assert not (run_dir / "prepared").exists() and not (run_dir / "stages.json").exists()
