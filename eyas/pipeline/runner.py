@@ -24,7 +24,8 @@ from eyas.gpu import nvml, procs
 from eyas.gpu.devices import default_pool
 from eyas.layout import RunLayout
 from eyas.pipeline.report import write_report
-from eyas.pipeline.table import STAGES, Cmd, Ctx, Stage, config_changes, config_values, fingerprint_parts, manifest
+from eyas.pipeline.table import (STAGES, Cmd, Ctx, Stage, config_changes, config_values, fingerprint_parts, manifest,
+                                 only_new_keys_at_default)
 
 POLL_S = 0.1
 SCHEMA_VERSION = 2  # of RUN/stages.json
@@ -165,11 +166,15 @@ class Runner:
         recorded it as GROWING, not as the manifest it saw then: the output grew under it by design. While the
         same output is written (its stage resumes), GROWING matches it. Its stage's end turns GROWING into the
         final manifest, a fresh start of it (output removed) into a mark that never matches (_tailers_saw): a
-        store rewritten with other settings still reruns train."""
+        store rewritten with other settings still reruns train. A config recorded by an eyas that lacked some
+        keys matches while those keys keep their defaults."""
         old = dict(rec.get("parts") or {})
         tailed = next((s.writes for s in self.stages if s.name == stage.tails), None)
         if old.get(tailed) == GROWING:
             old[tailed] = parts[tailed]
+        if old.get("config") not in (None, parts["config"]) and only_new_keys_at_default(
+                stage, self.cfg, rec.get("config_values"), old["config"]):
+            old["config"] = parts["config"]  # recorded by an eyas without some keys, which are at their defaults
         return old
 
     @staticmethod

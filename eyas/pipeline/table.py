@@ -231,6 +231,44 @@ def config_changes(stage: Stage, cfg: RunConfig, recorded: dict) -> list[str]:
     return changes
 
 
+def _section_defaults(cfg: RunConfig, section: str) -> dict:
+    """{field: its default} of a config section's dataclass (not the preset's value: a key's default is what
+    keeps the behaviour eyas had before the key existed)."""
+    value = getattr(cfg, section, None)
+    if not dataclasses.is_dataclass(value):
+        return {}
+    out = {}
+    for f in dataclasses.fields(value):
+        if f.default is not dataclasses.MISSING:
+            out[f.name] = f.default
+        elif f.default_factory is not dataclasses.MISSING:
+            out[f.name] = f.default_factory()
+    return out
+
+
+def only_new_keys_at_default(stage: Stage, cfg: RunConfig, recorded: dict | None, recorded_hash: str | None) -> bool:
+    """True when a stage's config equals the values its record holds except for fields the record lacks (keys
+    that a later eyas added) left at their defaults: upgrading eyas does not redo finished stages, while a new
+    key set to another value, or any recorded value changed, still does. `recorded_hash` must be the hash of
+    `recorded` (the record is whole)."""
+    if not isinstance(recorded, dict) or not recorded_hash or sha256_json(recorded) != recorded_hash:
+        return False
+    current = config_values(stage, cfg)
+    if set(current) != set(recorded):
+        return False
+    trimmed = {}
+    for key, value in current.items():
+        old = recorded[key]
+        if isinstance(value, dict) and isinstance(old, dict):
+            defaults = _section_defaults(cfg, key)
+            added = [name for name in value if name not in old]
+            if any(name not in defaults or sha256_json(value[name]) != sha256_json(defaults[name]) for name in added):
+                return False
+            value = {name: v for name, v in value.items() if name in old}
+        trimmed[key] = value
+    return sha256_json(trimmed) == recorded_hash
+
+
 def fingerprint_parts(stage: Stage, cfg: RunConfig, run: Path) -> dict[str, str]:
     """{"config": hash of the config values, each input (a run-dir name or an outside path): hash of its manifest}."""
     parts = {"config": sha256_json(config_values(stage, cfg))}

@@ -83,6 +83,29 @@ def test_a_config_change_is_named_in_the_log(tmp_path, capsys):
     assert "a: running (inputs changed (config: data.num_prompts): old output removed)" in capsys.readouterr().out
 
 
+def test_a_key_that_a_later_eyas_added_reruns_nothing_at_its_default(tmp_path, capsys):
+    """A record written before a config key existed: the key at its default skips the stage (an upgrade of eyas
+    redoes no finished work); the key at another value reruns it, named in the log."""
+    from eyas.common import sha256_json
+    from eyas.config import TrainConfig
+
+    cfg = load_config("tiny")
+    assert cfg.train.mask_oov_target == TrainConfig().mask_oov_target is False
+    run, record, stages = tmp_path / "run", tmp_path / "record.jsonl", chain(tmp_path)
+    run_pipeline(cfg, run, QUIET, stages)
+    state = json.loads((run / "stages.json").read_text())
+    b = state["stages"]["b"]
+    del b["config_values"]["train"]["mask_oov_target"]  # as an eyas without that key recorded it
+    b["parts"]["config"] = sha256_json(b["config_values"])
+    (run / "stages.json").write_text(json.dumps(state))
+
+    run_pipeline(cfg, run, QUIET, stages)
+    assert counts(record) == {"a": 1, "b": 1, "c": 1}
+    run_pipeline(load_config("tiny", ["train.mask_oov_target=true"]), run, QUIET, stages)
+    assert counts(record) == {"a": 1, "b": 2, "c": 2}
+    assert "b: running (inputs changed (config: train.mask_oov_target): old output removed)" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("written", [{"a": {"status": "done"}}, {"schema_version": 1, "stages": {}}, "{not json"])
 def test_stages_json_of_another_schema_is_refused_and_nothing_is_touched(tmp_path, written):
     """A run directory whose stages.json has another schema version (or none) stops the run with a clear
