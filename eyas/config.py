@@ -297,9 +297,14 @@ class TrainConfig:
     # which draft family `eyas train` trains: eagle3 (EAGLE-3 with training-time test) or dflash (a block-diffusion
     # draft, the dflash section); `eyas run` trains, evaluates and exports each one listed, from one store
     method: list[str] = field(default_factory=lambda: ["eagle3"])
+    # the draft's rotary embedding: target (the target's rope_theta and scaling; linear and llama3 scaling are
+    # implemented) or plain (the target's rope_theta, no scaling: for targets with YaRN, such as Kimi K2 and
+    # DeepSeek V3, as peers' drafts for them do). The export writes it into the draft's config for the engines
+    rope: str = "target"
 
     def __post_init__(self):
         _check_fields("train", self)
+        _one_of("train.rope", self.rope, ("target", "plain"))
         _one_of("train.attention", self.attention, ("dense", "flex", "reference"))
         _one_of("train.features", self.features, ("fused", "last"))
         _one_of("train.dtype", self.dtype, ("auto", "fp32", "bf16"))

@@ -58,3 +58,29 @@ def test_run_checks_the_benchmarks_before_the_first_stage(tmp_path):
     assert out.returncode != 0
     assert "nope.jsonl" in out.stderr + out.stdout and "is not mt-bench, mt-bench-1, humaneval or an existing JSONL file" in out.stderr + out.stdout
     assert not (run_dir / "prepared").exists() and not (run_dir / "stages.json").exists()
+
+
+def test_run_checks_the_draft_of_a_local_target_before_the_first_stage(tmp_path):
+    """A local target whose rope scaling the draft does not implement (YaRN: Kimi K2, DeepSeek V3) ends `eyas run`
+    before regeneration and capture, naming train.rope=plain; with it, the check passes."""
+    import json
+
+    from eyas.commands.run import _check_draft_shape
+    from eyas.common import EyasError
+    from eyas.config import load_config
+
+    target = tmp_path / "yarn-target"
+    target.mkdir()
+    (target / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "intermediate_size": 96, "vocab_size": 320, "num_hidden_layers": 4,
+        "max_position_embeddings": 131072, "rope_theta": 50000.0,
+        "rope_scaling": {"type": "yarn", "factor": 32.0, "original_max_position_embeddings": 4096}}))
+    run_dir = tmp_path / "run"
+    out = run("run", "--preset", "tiny", "--run-dir", str(run_dir), "--set", f"target.model={target}")
+    assert out.returncode != 0
+    assert "'yarn' is not one the draft implements" in out.stderr and "set train.rope=plain" in out.stderr
+    assert not (run_dir / "prepared").exists() and not (run_dir / "stages.json").exists()
+    _check_draft_shape(load_config("tiny", [f"target.model={target}", "train.rope=plain"]))
+    with pytest.raises(EyasError, match="train.rope=plain"):
+        _check_draft_shape(load_config("tiny", [f"target.model={target}"]))

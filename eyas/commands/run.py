@@ -55,6 +55,29 @@ def _devices(text: str | None) -> list[int] | None:
     return devices
 
 
+def _check_draft_shape(cfg) -> None:
+    """A local target directory's config.json must give a draft that training can build (train.rope against
+    the target's rope scaling, heads, sizes); other target specs are checked when training starts."""
+    import json
+
+    from eyas.common import EyasError
+    from eyas.draft.config import DraftConfig
+
+    path = Path(str(cfg.target.model)).expanduser() / "config.json"
+    try:
+        hf = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else None
+    except (OSError, ValueError):
+        return  # loading the target names what is wrong with its files
+    if not isinstance(hf, dict):
+        return
+    try:
+        DraftConfig.from_target_config(hf, rope=cfg.train.rope)
+    except ValueError as e:
+        raise EyasError(f"the draft for target {cfg.target.model}: {e}") from None
+    except (KeyError, TypeError):
+        return  # a config that is not a decoder's: loading the target says so
+
+
 def main(args) -> int:
     from eyas.common import EyasError
     from eyas.config import load_config
@@ -75,6 +98,7 @@ def main(args) -> int:
     from eyas.data.benchmarks import check_benches
 
     check_benches(cfg.eval.benches, cfg.data.max_record_mb)  # the eval stage comes last: find a missing benchmark before the first
+    _check_draft_shape(cfg)  # likewise a target whose draft training could not build, before regeneration and capture
     opts = RunOptions(gpus=_devices(args.gpus),
                       wait_for_gpus=args.wait_for_gpus, overlap=not args.no_overlap,
                       stage_timeout=args.stage_timeout, grace_s=args.grace,

@@ -7,6 +7,8 @@ from dataclasses import dataclass
 from typing import Any
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+# train.rope: the target's rope (its type must be one of SUPPORTED_ROPE_TYPES), or plain RoPE at the target's theta
+ROPE_CHOICES = ("target", "plain")
 
 
 @dataclass
@@ -62,24 +64,32 @@ class DraftConfig:
     @classmethod
     def from_target_config(cls, hf: dict[str, Any], draft_vocab_size: int | None = None,
                            num_aux_layers: int = 3, fc_norm: bool = False,
-                           norm_output: bool = False) -> "DraftConfig":
+                           norm_output: bool = False, rope: str = "target") -> "DraftConfig":
         """Build from a target's HF config dict (`model.config.to_dict()` or config.json).
 
         Reads rope settings from both the transformers<5 layout (`rope_theta`, `rope_scaling`) and the
-        transformers>=5 layout (`rope_parameters`). Multimodal configs use their `text_config`.
+        transformers>=5 layout (`rope_parameters`). Multimodal configs use their `text_config`. `rope`
+        (train.rope): "target" takes the target's scaling, "plain" none (plain RoPE at the target's theta).
         """
+        if rope not in ROPE_CHOICES:
+            raise ValueError(f"train.rope={rope!r} must be one of {', '.join(ROPE_CHOICES)}")
         if "text_config" in hf and "hidden_size" not in hf:
             hf = hf["text_config"]
         hidden = int(hf["hidden_size"])
         heads = int(hf["num_attention_heads"])
-        rope = dict(hf.get("rope_parameters") or {})
-        theta = float(hf.get("rope_theta") or rope.get("rope_theta") or 10000.0)
-        scaling = hf.get("rope_scaling") or rope or None
+        params = dict(hf.get("rope_parameters") or {})
+        theta = float(hf.get("rope_theta") or params.get("rope_theta") or 10000.0)
+        scaling = hf.get("rope_scaling") or params or None
         if scaling is not None:
             scaling = {k: v for k, v in scaling.items() if k != "rope_theta"}
             kind = scaling.get("rope_type", scaling.get("type", "default"))
-            if kind == "default":
+            if kind == "default" or rope == "plain":
                 scaling = None
+            elif kind not in SUPPORTED_ROPE_TYPES:
+                raise ValueError(f"the target's rope_scaling type {kind!r} is not one the draft implements "
+                                 f"({', '.join(SUPPORTED_ROPE_TYPES)}); set train.rope=plain: the draft then uses "
+                                 f"plain RoPE at the target's rope_theta {theta:g}, as peers' drafts for YaRN "
+                                 f"targets do (its exported config says rope_scaling null, which the engines read)")
         vocab = int(hf["vocab_size"])
         return cls(
             hidden_size=hidden,

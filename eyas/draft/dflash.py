@@ -92,9 +92,10 @@ class DFlashConfig:
 
     @classmethod
     def from_target_config(cls, hf: dict[str, Any], target_layers: list[int], mask_token_id: int,
-                           num_layers: int = 1, block_size: int = 16) -> "DFlashConfig":
-        """The target's shape (read as for EAGLE-3: both transformers rope layouts, text_config) and the block."""
-        base = DraftConfig.from_target_config(hf, num_aux_layers=max(1, len(target_layers)))
+                           num_layers: int = 1, block_size: int = 16, rope: str = "target") -> "DFlashConfig":
+        """The target's shape (read as for EAGLE-3: both transformers rope layouts, text_config; `rope` as
+        train.rope) and the block."""
+        base = DraftConfig.from_target_config(hf, num_aux_layers=max(1, len(target_layers)), rope=rope)
         keep = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: v for k, v in base.to_dict().items() if k in keep},
                    target_layers=list(target_layers), mask_token_id=int(mask_token_id), num_layers=int(num_layers),

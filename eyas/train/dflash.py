@@ -176,9 +176,9 @@ def resolve_mask_token(dcfg, target_config: dict, vocab_size: int) -> int:
     return int(token)
 
 
-def dflash_config(source, dcfg) -> DFlashConfig:
+def dflash_config(source, dcfg, rope: str = "target") -> DFlashConfig:
     """The config of a new DFlash draft for this source: the target's shape, the fused layers (dflash.target_layers,
-    or all the store's aux layers), the block and the mask token."""
+    or all the store's aux layers), the block, the mask token and the rotary embedding of train.rope."""
     layers = list(dcfg.target_layers) or list(source.aux_layers)
     missing = [x for x in layers if x not in source.aux_layers]
     if missing:
@@ -187,14 +187,18 @@ def dflash_config(source, dcfg) -> DFlashConfig:
                         f"{missing}; capture them (`eyas capture --layers {','.join(map(str, want))}`) or choose "
                         f"among the store's")
     vocab, hidden = source.embed_weight.shape
-    return DFlashConfig.from_target_config(source.target_config, layers, resolve_mask_token(dcfg, source.target_config, vocab),
-                                           num_layers=dcfg.layers, block_size=dcfg.block_size)
+    try:
+        return DFlashConfig.from_target_config(source.target_config, layers,
+                                               resolve_mask_token(dcfg, source.target_config, vocab),
+                                               num_layers=dcfg.layers, block_size=dcfg.block_size, rope=rope)
+    except ValueError as e:  # the target's config asks for a draft eyas cannot build: the message names the fix
+        raise EyasError(f"the DFlash draft for this store's target: {e}") from None
 
 
-def build_dflash_draft(source, dcfg, init_from: str = "") -> DFlashDraft:
+def build_dflash_draft(source, dcfg, init_from: str = "", rope: str = "target") -> DFlashDraft:
     """A new DFlash draft (or train.init_from's, which must have the same config) holding the target's frozen
     embedding and lm_head."""
-    cfg = dflash_config(source, dcfg)
+    cfg = dflash_config(source, dcfg, rope)
     draft = DFlashDraft(cfg)
     if init_from:
         from eyas.formats import load_draft

@@ -99,21 +99,26 @@ def loss_spec(tc) -> LossSpec:
                     mask_token=tc.loss_mask_token, norm=tc.loss_norm)
 
 
-def draft_config(source: TrainSource, features: str, fc_norm: bool = False, norm_output: bool = False) -> DraftConfig:
+def draft_config(source: TrainSource, features: str, fc_norm: bool = False, norm_output: bool = False,
+                 rope: str = "target") -> DraftConfig:
     """The config of a new draft for this source (its draft vocabulary the data's, else the target's), with the
-    EAGLE 3.1 layout switches train.fc_norm and train.norm_output."""
+    EAGLE 3.1 layout switches train.fc_norm and train.norm_output and the rotary embedding of train.rope."""
     vocab = source.lm_head_weight.shape[0]
     draft_vocab = len(source.d2t) if source.d2t is not None else vocab
-    cfg = DraftConfig.from_target_config(source.target_config, draft_vocab, len(feature_layers(source, features)),
-                                         fc_norm=fc_norm, norm_output=norm_output)
+    try:
+        cfg = DraftConfig.from_target_config(source.target_config, draft_vocab, len(feature_layers(source, features)),
+                                             fc_norm=fc_norm, norm_output=norm_output, rope=rope)
+    except ValueError as e:  # the target's config asks for a draft eyas cannot build: the message names the fix
+        raise EyasError(f"the draft for this store's target: {e}") from None
     if (cfg.vocab_size, cfg.hidden_size) != tuple(source.embed_weight.shape):
         raise EyasError(f"the target config says vocab {cfg.vocab_size} x hidden {cfg.hidden_size} but its embedding is "
                         f"{tuple(source.embed_weight.shape)}; the store's target_head does not belong to its manifest")
     return cfg
 
 
-def build_draft(source: TrainSource, features: str, fc_norm: bool = False, norm_output: bool = False) -> Eagle3Draft:
-    draft = Eagle3Draft(draft_config(source, features, fc_norm, norm_output))
+def build_draft(source: TrainSource, features: str, fc_norm: bool = False, norm_output: bool = False,
+                rope: str = "target") -> Eagle3Draft:
+    draft = Eagle3Draft(draft_config(source, features, fc_norm, norm_output, rope))
     draft.embed_tokens.weight.data.copy_(source.embed_weight.float())
     if source.d2t is not None:
         draft.set_vocab(source.d2t, source.t2d)
@@ -128,7 +133,7 @@ def _same(a, b) -> bool:
 
 
 def init_draft(init: tuple[Eagle3Draft, dict], path: str, source: TrainSource, features: str,
-               fc_norm: bool = False, norm_output: bool = False) -> Eagle3Draft:
+               fc_norm: bool = False, norm_output: bool = False, rope: str = "target") -> Eagle3Draft:
     """The draft loaded from `path` (train.init_from; `init` is what eyas.formats.load_draft returned for it),
     checked against what this run trains on, to fine-tune.
 
@@ -136,7 +141,7 @@ def init_draft(init: tuple[Eagle3Draft, dict], path: str, source: TrainSource, f
     architecture, aux layers, features and target must be this run's, or the error names the difference."""
     draft, meta = init
     where = f"train.init_from={path!r}"
-    ours, theirs = draft_config(source, features, fc_norm, norm_output).to_dict(), draft.cfg.to_dict()
+    ours, theirs = draft_config(source, features, fc_norm, norm_output, rope).to_dict(), draft.cfg.to_dict()
     differ = [f"{k} {theirs.get(k)!r} (this run: {v!r})" for k, v in ours.items()
               if k != "draft_vocab_size" and not _same(theirs.get(k), v)]
     if differ:
@@ -200,13 +205,13 @@ def _first_draft(tc, source: TrainSource, dflash_cfg=None) -> Eagle3Draft:
     if dflash_cfg is not None:
         from eyas.train.dflash import build_dflash_draft
 
-        return build_dflash_draft(source, dflash_cfg, tc.init_from)
+        return build_dflash_draft(source, dflash_cfg, tc.init_from, tc.rope)
     if not tc.init_from:
-        return build_draft(source, tc.features, tc.fc_norm, tc.norm_output)
+        return build_draft(source, tc.features, tc.fc_norm, tc.norm_output, tc.rope)
     from eyas.formats import load_draft
 
     draft = init_draft(load_draft(tc.init_from, embed_tokens=source.embed_weight), tc.init_from, source, tc.features,
-                       tc.fc_norm, tc.norm_output)
+                       tc.fc_norm, tc.norm_output, tc.rope)
     print0(f"fine-tuning the draft of {tc.init_from} (train.init_from): a fresh optimizer and schedule")
     return draft
 

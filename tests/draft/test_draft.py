@@ -49,8 +49,33 @@ def test_from_target_config_reads_both_rope_layouts():
                                      "high_freq_factor": 4.0, "original_max_position_embeddings": 256})
     assert old == new and old.rope_theta == 5e5 and old.rope_scaling["rope_type"] == "llama3"
     assert small_cfg().rope_scaling is None
-    with pytest.raises(ValueError, match="not supported"):
+    with pytest.raises(ValueError, match=r"'yarn' is not one the draft implements.*set train.rope=plain"):
         small_cfg(rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0})
+
+
+def test_plain_rope_drops_the_targets_scaling_and_keeps_its_theta():
+    """train.rope=plain: a YaRN target (Kimi K2, DeepSeek V3) gets a draft with plain RoPE at its rope_theta,
+    which rotates exactly as a default-rope draft of that theta; the target's rope is the default."""
+    yarn = {"rope_type": "yarn", "rope_theta": 5e4, "factor": 32.0, "original_max_position_embeddings": 4096,
+            "beta_fast": 1.0, "beta_slow": 1.0}
+    hf = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, intermediate_size=96, vocab_size=320,
+              rms_norm_eps=1e-5, max_position_embeddings=131072, head_dim=16, rope_parameters=yarn)
+    plain = DraftConfig.from_target_config(hf, draft_vocab_size=200, rope="plain")
+    assert plain.rope_scaling is None and plain.rope_theta == 5e4
+    default = DraftConfig.from_target_config({**hf, "rope_parameters": {"rope_type": "default", "rope_theta": 5e4}},
+                                             draft_vocab_size=200)
+    assert plain == default
+    llama3 = small_cfg(rope_parameters={"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0, "low_freq_factor": 1.0,
+                                        "high_freq_factor": 4.0, "original_max_position_embeddings": 256})
+    assert DraftConfig.from_target_config(
+        dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, intermediate_size=96, vocab_size=320,
+             rms_norm_eps=1e-5, max_position_embeddings=512, head_dim=16,
+             rope_parameters={"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0, "low_freq_factor": 1.0,
+                              "high_freq_factor": 4.0, "original_max_position_embeddings": 256}),
+        draft_vocab_size=200, num_aux_layers=3, rope="plain").rope_scaling is None
+    assert llama3.rope_scaling is not None  # the default, train.rope=target, keeps a scaling the draft implements
+    with pytest.raises(ValueError, match="train.rope='other'"):
+        DraftConfig.from_target_config(hf, rope="other")
 
 
 @pytest.mark.parametrize("rope", [
