@@ -299,7 +299,7 @@ class TrainConfig:
     method: list[str] = field(default_factory=lambda: ["eagle3"])
     # the draft's rotary embedding: target (the target's rope_theta and scaling; linear and llama3 scaling are
     # implemented) or plain (the target's rope_theta, no scaling: for targets with YaRN, such as Kimi K2 and
-    # DeepSeek V3, as peers' drafts for them do). The export writes it into the draft's config for the engines
+    # DeepSeek V3; peers' drafts for Kimi have no rope scaling either). The export writes it into the draft's config
     rope: str = "target"
 
     def __post_init__(self):

@@ -88,8 +88,8 @@ class DraftConfig:
             elif kind not in SUPPORTED_ROPE_TYPES:
                 raise ValueError(f"the target's rope_scaling type {kind!r} is not one the draft implements "
                                  f"({', '.join(SUPPORTED_ROPE_TYPES)}); set train.rope=plain: the draft then uses "
-                                 f"plain RoPE at the target's rope_theta {theta:g}, as peers' drafts for YaRN "
-                                 f"targets do (its exported config says rope_scaling null, which the engines read)")
+                                 f"plain RoPE at the target's rope_theta {theta:g}, with no scaling, like peers' "
+                                 f"drafts for YaRN targets (its exported config says rope_scaling null)")
         vocab = int(hf["vocab_size"])
         return cls(
             hidden_size=hidden,
