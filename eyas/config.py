@@ -62,6 +62,7 @@ _DEVICE = re.compile(r"auto|cpu|mps|cuda(:\d+)?")
 # for the backward pass, so memory grows with ttt (EAGLE-3 trains with 7)
 MAX_TTT = 64
 METHODS = ("eagle3", "dflash")
+ROPES = ("target", "plain")  # train.rope: the target's rope, or plain RoPE at the target's theta
 # a learning rate above this moves each weight by about its own size in one AdamW step
 MAX_LR = 1.0
 
@@ -304,7 +305,7 @@ class TrainConfig:
 
     def __post_init__(self):
         _check_fields("train", self)
-        _one_of("train.rope", self.rope, ("target", "plain"))
+        _one_of("train.rope", self.rope, ROPES)
         _one_of("train.attention", self.attention, ("dense", "flex", "reference"))
         _one_of("train.features", self.features, ("fused", "last"))
         _one_of("train.dtype", self.dtype, ("auto", "fp32", "bf16"))

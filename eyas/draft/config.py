@@ -6,9 +6,9 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
-# train.rope: the target's rope (its type must be one of SUPPORTED_ROPE_TYPES), or plain RoPE at the target's theta
-ROPE_CHOICES = ("target", "plain")
+from eyas.config import ROPES
+
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")  # of the target's rope scaling, with train.rope=target
 
 
 @dataclass
@@ -71,8 +71,8 @@ class DraftConfig:
         transformers>=5 layout (`rope_parameters`). Multimodal configs use their `text_config`. `rope`
         (train.rope): "target" takes the target's scaling, "plain" none (plain RoPE at the target's theta).
         """
-        if rope not in ROPE_CHOICES:
-            raise ValueError(f"train.rope={rope!r} must be one of {', '.join(ROPE_CHOICES)}")
+        if rope not in ROPES:
+            raise ValueError(f"train.rope={rope!r} must be one of {', '.join(ROPES)}")
         if "text_config" in hf and "hidden_size" not in hf:
             hf = hf["text_config"]
         hidden = int(hf["hidden_size"])

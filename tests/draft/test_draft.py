@@ -17,12 +17,12 @@ EXPORT_KEYS = {
 }
 
 
-def small_cfg(**kw) -> DraftConfig:
+def small_cfg(rope: str = "target", **kw) -> DraftConfig:
     hf = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, intermediate_size=96,
               vocab_size=320, rms_norm_eps=1e-5, max_position_embeddings=512, head_dim=16,
               rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
     hf.update(kw)
-    return DraftConfig.from_target_config(hf, draft_vocab_size=200, num_aux_layers=3)
+    return DraftConfig.from_target_config(hf, draft_vocab_size=200, num_aux_layers=3, rope=rope)
 
 
 def test_state_dict_keys_and_shapes():
@@ -65,15 +65,11 @@ def test_plain_rope_drops_the_targets_scaling_and_keeps_its_theta():
     default = DraftConfig.from_target_config({**hf, "rope_parameters": {"rope_type": "default", "rope_theta": 5e4}},
                                              draft_vocab_size=200)
     assert plain == default
-    llama3 = small_cfg(rope_parameters={"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0, "low_freq_factor": 1.0,
-                                        "high_freq_factor": 4.0, "original_max_position_embeddings": 256})
-    assert DraftConfig.from_target_config(
-        dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, intermediate_size=96, vocab_size=320,
-             rms_norm_eps=1e-5, max_position_embeddings=512, head_dim=16,
-             rope_parameters={"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0, "low_freq_factor": 1.0,
-                              "high_freq_factor": 4.0, "original_max_position_embeddings": 256}),
-        draft_vocab_size=200, num_aux_layers=3, rope="plain").rope_scaling is None
-    assert llama3.rope_scaling is not None  # the default, train.rope=target, keeps a scaling the draft implements
+    llama3 = {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0, "low_freq_factor": 1.0,
+              "high_freq_factor": 4.0, "original_max_position_embeddings": 256}
+    assert small_cfg(rope="plain", rope_parameters=llama3).rope_scaling is None
+    # the default, train.rope=target, keeps a scaling the draft implements
+    assert small_cfg(rope_parameters=llama3).rope_scaling is not None
     with pytest.raises(ValueError, match="train.rope='other'"):
         DraftConfig.from_target_config(hf, rope="other")
 
