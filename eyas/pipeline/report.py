@@ -7,7 +7,8 @@ out; the report never fails on a stage's output):
                                store_bytes, dtype
     RUN/train/                 metrics.jsonl (its last line), curves.png, latest/draft.json (init_from)
     RUN/eval/<result>.json     its "summary": tau_pooled, tau_per_request, repeat_token_share, tau_elsewhere,
-                               ngram_tau, speedup_vs_plain; its plot beside it (.png)
+                               ngram_tau, speedup_vs_plain, num_requests; its "settings": limit (the prompts
+                               taken from the benchmark, 0 = all); its plot beside it (.png)
     RUN/export/<format>/       README.md: the launch line, the first line of its bash block
 """
 
@@ -101,12 +102,14 @@ def eval_results(layout: RunLayout) -> list[dict]:
     """One row per eval result (benchmark x setting) with the figures of its "summary"."""
     rows = []
     for path in layout.eval_results():
-        s = _read(path).get("summary")
-        s = s if isinstance(s, dict) else {}
+        doc = _read(path)
+        s, settings = (doc.get(key) if isinstance(doc.get(key), dict) else {} for key in ("summary", "settings"))
         png = path.with_suffix(".png")
+        limit = settings.get("limit")
         rows.append({"name": path.stem, "tau": s.get("tau_pooled"), "tau_request": s.get("tau_per_request"),
                      "repeats": s.get("repeat_token_share"), "tau_elsewhere": s.get("tau_elsewhere"),
                      "ngram_tau": s.get("ngram_tau"), "speedup": s.get("speedup_vs_plain"),
+                     "requests": s.get("num_requests"), "limited": isinstance(limit, int) and limit > 0,
                      "png": png if png.exists() else None})
     return rows
 
@@ -119,17 +122,24 @@ def _speculative(layouts: list[RunLayout]) -> tuple[list[str], list[str]]:
     both = len({lay.method for lay, _ in rows}) > 1
     # "repeated context": the 8 tokens before a cycle already stood in the answer (eyas.speculative.stats)
     md = ["", "## Speculative decoding", "",
-          ("| draft " if both else "") + "| benchmark-setting | tau | tau per request | tokens after a repeated context "
-          "| tau elsewhere | n-gram lookup alone: tau | speedup |",
-          ("|---" if both else "") + "|---|---|---|---|---|---|---|"]
+          ("| draft " if both else "") + "| benchmark-setting | prompts | tau | tau per request | tokens after a "
+          "repeated context | tau elsewhere | n-gram lookup alone: tau | speedup |",
+          ("|---" if both else "") + "|---|---|---|---|---|---|---|---|"]
     summary = []
     for lay, r in sorted(rows, key=lambda x: (x[1]["name"], x[0].method)) if both else rows:
         share = f"{100 * r['repeats']:.0f} %" if isinstance(r["repeats"], (int, float)) else "?"
         family = FAMILIES[lay.method]
-        md.append((f"| {family} " if both else "") + f"| {r['name']} | {_num(r['tau'])} | {_num(r['tau_request'])} | "
+        prompts = r["requests"] if isinstance(r["requests"], int) else "?"
+        md.append((f"| {family} " if both else "") + f"| {r['name']} | {prompts}"
+                  f"{' (eval.limit)' if r['limited'] else ''} | {_num(r['tau'])} | {_num(r['tau_request'])} | "
                   f"{share} | {_num(r['tau_elsewhere'])} | {_num(r['ngram_tau'])} | {_num(r['speedup'])} |")
         summary.append(f"eval     {family + ' ' if both else ''}{r['name']}: tau {_num(r['tau'])}, speedup "
-                       f"{_num(r['speedup'])}")
+                       f"{_num(r['speedup'])}" + (f" (the first {prompts} prompts)" if r["limited"] else ""))
+    partial = [lay for lay in layouts if any(r["limited"] for la, r in rows if la is lay)]
+    if partial:  # a benchmark's first prompts are not the benchmark
+        md += ["", "Rows marked eval.limit cover a benchmark's first prompts only, and their figures can be far from "
+               "the whole benchmark's. Every prompt: " + "; ".join(
+                   f"`eyas eval --config {lay.config} --draft {lay.train} --limit 0`" for lay in partial)]
     rows = [r for _, r in rows]
     layout = layouts[0]
     md += [""] + [f"![per-position acceptance]({r['png'].relative_to(layout.run)})" for r in rows if r["png"]]

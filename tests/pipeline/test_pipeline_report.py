@@ -26,7 +26,7 @@ def test_report_from_stage_outputs(tmp_path):
     (run / "eval" / "mt-bench-chain-3.json").write_text(json.dumps(
         {"summary": {"tau_pooled": 1.75, "tau_per_request": 1.7, "accept_at_position": [0.5, 0.25, 0.1],
                      "speedup_vs_plain": 1.2, "repeat_token_share": 0.4, "tau_elsewhere": 1.5,
-                     "ngram_tau": 1.25}}))
+                     "ngram_tau": 1.25, "num_requests": 80}, "settings": {"limit": 0}}))
     (run / "eval" / "mt-bench-chain-3.png").write_bytes(b"png")
     (run / "eval" / "humaneval-chain-3.json").write_text(json.dumps({"summary": {"tau_pooled": 2.0}}))
     (run / "eval" / "broken-chain-3.json").write_text("{not json")
@@ -45,8 +45,9 @@ def test_report_from_stage_outputs(tmp_path):
     assert "| export | failed |  |  | cpu |" in md
     assert "48 samples, 4800 tokens, 1 shards, 3.0 MiB on disk (fp32)." in md
     assert "Last logged step: step 12, loss 1.25" in md
-    assert "| mt-bench-chain-3 | 1.750 | 1.700 | 40 % | 1.500 | 1.250 | 1.200 |" in md
-    assert "| humaneval-chain-3 | 2.000 | ? | ? | ? | ? | ? |" in md and "| broken-chain-3 | ? |" in md
+    assert "| mt-bench-chain-3 | 80 | 1.750 | 1.700 | 40 % | 1.500 | 1.250 | 1.200 |" in md
+    assert "| humaneval-chain-3 | ? | 2.000 | ? | ? | ? | ? | ? |" in md and "| broken-chain-3 | ? | ? |" in md
+    assert "eval.limit" not in md  # every result covers its whole benchmark
     assert "![per-position acceptance](eval/mt-bench-chain-3.png)" in md and "acceptance.png" not in md
     assert "Serve with vLLM:\n\n```bash\nvllm serve /models/t --speculative-config '{}'\n```" in md
     assert "sglang" not in md  # neither exported nor given a line the export did not write
@@ -54,6 +55,15 @@ def test_report_from_stage_outputs(tmp_path):
     assert "vLLM: vllm serve /models/t --speculative-config '{}'" in summary
     assert any("tau 1.750" in line for line in summary)
     assert "Fine-tuned from" not in md
+    # a result on a benchmark's first prompts says so, in the table and the summary, with the command for all
+    (run / "eval" / "humaneval-chain-3.json").write_text(json.dumps(
+        {"summary": {"tau_pooled": 2.0, "num_requests": 12}, "settings": {"limit": 12}}))
+    summary = write_report(run, load_config("tiny"), state)
+    md = (run / "report.md").read_text()
+    assert "| humaneval-chain-3 | 12 (eval.limit) | 2.000 |" in md and "| mt-bench-chain-3 | 80 | 1.750 |" in md
+    assert f"Every prompt: `eyas eval --config {run / 'config.yaml'} --draft {run / 'train'} --limit 0`" in md
+    assert any(line.endswith("tau 2.000, speedup ? (the first 12 prompts)") for line in summary), summary
+    assert any(line.endswith("tau 1.750, speedup 1.200") for line in summary), summary
     (run / "train" / "latest").mkdir()
     (run / "train" / "latest" / "draft.json").write_text(json.dumps({"init_from": "/drafts/code"}))
     write_report(run, load_config("tiny"), state)

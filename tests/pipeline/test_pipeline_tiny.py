@@ -34,6 +34,10 @@ def test_both_draft_families_from_one_store_side_by_side(tmp_path):
     assert json.loads((run / "export-dflash" / "vllm" / "config.json").read_text())["architectures"] == ["DFlashDraftModel"]
     report = (run / "report.md").read_text()
     assert "| EAGLE-3 | mt-bench-chain-3 |" in report and "| DFlash | mt-bench-chain-3 |" in report
+    # the preset's eval.limit (2 questions): each row says so, and the report gives each draft's whole-benchmark eval
+    assert "| EAGLE-3 | mt-bench-chain-3 | 2 (eval.limit) |" in report
+    assert (f"--draft {run / 'train'} --limit 0`; `eyas eval --config {run / 'config.yaml'} "
+            f"--draft {run / 'train-dflash'} --limit 0`") in report
     assert "## Training (DFlash)" in report and "## Export (EAGLE-3)" in report
     assert (run / "store" / "manifest.json").exists()
     # the tiny preset's eval settings for EAGLE-3 (chain 3, tree 2,3,6), both from the one eval process of mt-bench
