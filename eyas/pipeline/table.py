@@ -235,15 +235,7 @@ def _section_defaults(cfg: RunConfig, section: str) -> dict:
     """{field: its default} of a config section's dataclass (not the preset's value: a key's default is what
     keeps the behaviour eyas had before the key existed)."""
     value = getattr(cfg, section, None)
-    if not dataclasses.is_dataclass(value):
-        return {}
-    out = {}
-    for f in dataclasses.fields(value):
-        if f.default is not dataclasses.MISSING:
-            out[f.name] = f.default
-        elif f.default_factory is not dataclasses.MISSING:
-            out[f.name] = f.default_factory()
-    return out
+    return vars(type(value)()) if dataclasses.is_dataclass(value) else {}  # every section builds from its defaults
 
 
 def only_new_keys_at_default(stage: Stage, cfg: RunConfig, recorded: dict | None, recorded_hash: str | None) -> bool:
