@@ -1,4 +1,5 @@
-"""Sampling is lossless: emitted tokens follow the target's tempered distribution (chi-square tests)."""
+"""Sampling is lossless: emitted tokens follow the target's tempered distribution (chi-square tests), for EAGLE-3
+chains and trees and for DFlash chains."""
 
 import pytest
 import torch
@@ -80,6 +81,43 @@ def test_speculative_sampling_matches_target(tiny_target, setting):
     accepted = 0
     for _ in range(n):
         res = engine.generate(PROMPT, 2, temperature=temperature, generator=g, **setting)
+        counts[res.tokens[0] * v + res.tokens[1]] += 1
+        accepted += res.accepted_per_cycle[0]
+    assert 0.05 * n < accepted < 0.95 * n, accepted  # both branches of the rule were exercised
+    assert chi_square_p(counts, joint.flatten()) > 1e-3
+
+
+def test_dflash_sampling_matches_target(tiny_target):
+    """A DFlash chain through the same rule: the block anchored at the first sampled token proposes the likeliest
+    second token (a point-mass draft), and the pair still follows the target's tempered joint distribution."""
+    from eyas.draft.dflash import DFlashConfig, DFlashDraft
+
+    temperature = 0.3
+    joint = exact_pair_distribution(tiny_target.model, PROMPT, temperature)
+    v = joint.shape[0]
+    likeliest = (joint / joint.sum(1, keepdim=True).clamp_min(1e-30)).argmax(1)  # [V]: x2 given x1
+
+    class LikeliestNext(DFlashDraft):
+        """Slot 1 of a block anchored at x scores likeliest[x]; the context (fuse, context_kv) is DFlashDraft's."""
+
+        def __init__(self, cfg):
+            super().__init__(cfg)
+            self.lm_head = torch.nn.Identity()  # forward returns logits
+
+        def forward(self, block_ids, positions, ctx_kv, attention_mask=None):
+            logits = torch.zeros(1, self.cfg.block_size, v)
+            logits[0, 1, likeliest[int(block_ids[0, 0])]] = 1.0
+            return logits
+
+    cfg = DFlashConfig.from_target_config(tiny_target.config.to_dict(), target_layers=[1, 2, 3],
+                                          mask_token_id=v - 1, block_size=4)
+    engine = SpecEngine(tiny_target.model, LikeliestNext(cfg).eval())
+    g = torch.Generator().manual_seed(2)
+    n = 1200
+    counts = torch.zeros(v * v)
+    accepted = 0
+    for _ in range(n):
+        res = engine.generate(PROMPT, 2, steps=1, temperature=temperature, generator=g)
         counts[res.tokens[0] * v + res.tokens[1]] += 1
         accepted += res.accepted_per_cycle[0]
     assert 0.05 * n < accepted < 0.95 * n, accepted  # both branches of the rule were exercised
