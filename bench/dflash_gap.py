@@ -3,8 +3,8 @@
     python bench/dflash_gap.py --draft DRAFT [--prompts 3] [--new-tokens 96] [--steps 15]
 
 For each prompt (the first --prompts of HumanEval and of MT-bench's first turns, as `eyas eval` encodes them)
-the speculative engine decodes greedily with chains of --steps, to the end of the turn at most (SmolLM2 in fp32 on the CPU, so its tokens are the
-target's), and every block it drafts is recorded with its anchor. Then the training forward
+the speculative engine decodes greedily with chains of --steps, to the end of the turn at most (SmolLM2 in fp32
+on the CPU, so its tokens are the target's), and every block it drafts is recorded with its anchor. Then the training forward
 (eyas/train/dflash.py: the whole sequence's features as one context, every block under the training mask) is run
 over the same sequence with the same anchors: its guesses must equal decoding's, block for block. Last, the
 training forward with every answer position as an anchor gives the teacher-forced acceptance length on those
