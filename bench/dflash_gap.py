@@ -4,12 +4,12 @@
 
 For each prompt (the first --prompts of HumanEval and of MT-bench's first turns, as `eyas eval` encodes them)
 the speculative engine decodes greedily with chains of --steps, to the end of the turn at most (SmolLM2 in fp32
-on the CPU, so its tokens are the target's), and every block it drafts is recorded with its anchor. Then the training forward
-(eyas/train/dflash.py: the whole sequence's features as one context, every block under the training mask) is run
-over the same sequence with the same anchors: its guesses must equal decoding's, block for block. Last, the
-training forward with every answer position as an anchor gives the teacher-forced acceptance length on those
-answers. Decoding and teacher forcing both low, and held-out tau high, means the draft does not carry what it
-learnt to these prompts; a differing block means training and decoding disagree about the draft's inputs.
+on the CPU, so its tokens are the target's), and every block it drafts is recorded with its anchor. Then the
+training forward (eyas/train/dflash.py: the whole sequence's features as one context, every block under the
+training mask) runs over the same sequence with the same anchors: its guesses must equal decoding's, block for
+block. Last, the training forward with every answer position as an anchor gives the teacher-forced
+acceptance length on those answers. Decoding and teacher forcing both low, and held-out tau high, means the draft
+does not carry what it learnt to these prompts; a differing block means training and decoding disagree about the draft's inputs.
 """
 
 from __future__ import annotations
