@@ -9,7 +9,8 @@ training forward (eyas/train/dflash.py: the whole sequence's features as one con
 training mask) runs over the same sequence with the same anchors: its guesses must equal decoding's, block for
 block. Last, the training forward with every answer position as an anchor gives the teacher-forced
 acceptance length on those answers. Decoding and teacher forcing both low, and held-out tau high, means the draft
-does not carry what it learnt to these prompts; a differing block means training and decoding disagree about the draft's inputs.
+does not carry what it learnt to these prompts; a differing block means training and decoding disagree about the
+draft's inputs.
 """
 
 from __future__ import annotations
