@@ -20,9 +20,8 @@ import argparse
 import torch
 
 import eyas.draft.dflash as dflash
-from eyas.data.benchmarks import humaneval_prompts, mtbench_questions
 from eyas.data.template import stop_token_ids
-from eyas.speculative.bench import encode_turn
+from eyas.speculative.bench import encode_turn, load_bench
 from eyas.speculative.build import build_engine
 from eyas.target import load_target
 from eyas.target.capture import FeatureCapture
@@ -67,10 +66,9 @@ def main() -> None:
     capture = FeatureCapture(target, info["aux"])
     tok = target.tokenizer
     eos = stop_token_ids(tok, getattr(target.model, "generation_config", None))
-    sets = {"HumanEval": [encode_turn(tok, [{"role": "user", "content": x["prompt"]}])
-                          for x in humaneval_prompts()[:args.prompts]],
-            "MT-bench first turns": [encode_turn(tok, [{"role": "user", "content": q["turns"][0]}])
-                                     for q in mtbench_questions()[:args.prompts]]}
+    sets = {name: [encode_turn(tok, [{"role": "user", "content": item["turns"][0]}])
+                   for item in load_bench(bench, args.prompts)]
+            for name, bench in (("HumanEval", "humaneval"), ("MT-bench first turns", "mt-bench-1"))}
     print(f"draft {args.draft}; SmolLM2 fp32 on the CPU; chains of {k}, {args.new_tokens} new tokens a prompt")
     print("| prompts | n | blocks decoded | blocks differing from the training forward | decoding tau | "
           "teacher-forced tau, every answer position an anchor |")

@@ -75,8 +75,14 @@ def test_speculative_sampling_matches_target(tiny_target, setting):
     draft = ScriptedDraft(PROMPT, v)
     draft._logits_at = logits_at
     engine = SpecEngine(tiny_target.model, draft, [1, 2, 3])
-    g = torch.Generator().manual_seed(1)
-    n = 1200
+    assert_pairs_follow(engine, joint, temperature, seed=1, **setting)
+
+
+def assert_pairs_follow(engine, joint, temperature, seed, n=1200, **setting):
+    """Decode the first two tokens n times: both branches of the acceptance rule happen on the second, and the
+    pairs follow `joint` [V, V] (chi-square)."""
+    v = joint.shape[0]
+    g = torch.Generator().manual_seed(seed)
     counts = torch.zeros(v * v)
     accepted = 0
     for _ in range(n):
@@ -112,13 +118,4 @@ def test_dflash_sampling_matches_target(tiny_target):
     cfg = DFlashConfig.from_target_config(tiny_target.config.to_dict(), target_layers=[1, 2, 3],
                                           mask_token_id=v - 1, block_size=4)
     engine = SpecEngine(tiny_target.model, LikeliestNext(cfg).eval())
-    g = torch.Generator().manual_seed(2)
-    n = 1200
-    counts = torch.zeros(v * v)
-    accepted = 0
-    for _ in range(n):
-        res = engine.generate(PROMPT, 2, steps=1, temperature=temperature, generator=g)
-        counts[res.tokens[0] * v + res.tokens[1]] += 1
-        accepted += res.accepted_per_cycle[0]
-    assert 0.05 * n < accepted < 0.95 * n, accepted  # both branches of the rule were exercised
-    assert chi_square_p(counts, joint.flatten()) > 1e-3
+    assert_pairs_follow(engine, joint, temperature, seed=2, steps=1)
