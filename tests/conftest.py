@@ -2,8 +2,16 @@
 
 import os
 
-import pytest
-import torch
+# OpenMP threads that wait for work sleep instead of spinning. The suite runs two workers on two cores, and most
+# tests start processes of their own (eyas stages, vLLM engines): spinning threads then take the cores from the
+# threads doing work. Two heavy tests side by side on two cores (tests/pipeline/test_pipeline_tiny.py's two-family
+# run beside tests/vllm/test_run_engine.py's run, twice each way): 127-160 s and 136-157 s spinning, 72-74 s and
+# 92-107 s sleeping; alone, each setting ran the pipeline test in 60-67 s. Set before torch loads its OpenMP
+# runtime, which reads it once; the processes tests start inherit it.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 # two threads per test process; under pytest-xdist the cores are shared out between the workers
 _WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
