@@ -1,4 +1,5 @@
-"""One markdown table of `eyas eval` results: every BENCH-SETTING.json under the directories given.
+"""One markdown table of `eyas eval` results: every BENCH-SETTING.json under the directories given (and their
+subdirectories, where `eyas eval --draft A --draft B` puts each draft).
 
     python bench/eval_table.py RUN/eval RUN/eval-dflash ...
 
@@ -42,7 +43,7 @@ def row(path: Path) -> str | None:
 def main(dirs: list[str]) -> int:
     rows = []
     for d in dirs:
-        for path in sorted(Path(d).glob("*.json")):
+        for path in sorted(Path(d).rglob("*.json")):  # a comparison of drafts keeps each in a subdirectory
             if path.name != "summary.json" and (r := row(path)):
                 rows.append(r)
     if not rows:

@@ -12,8 +12,10 @@
 #        EVALS (what to evaluate, in order, "FAMILY:BENCH:EXTRA ARGS" separated by '|'; EXTRA ARGS may add a
 #        --bench, which the same process evaluates next with the same loaded target and draft; default: EAGLE-3 on
 #        MT-bench then HumanEval with the preset's chains and tree, then DFlash on both with chains 3, 7 and its
-#        block, then EAGLE-3 on both in fp32: no turn may differ from plain decoding there), EVX (extra arguments
-#        for every eval, e.g. "--max-new-tokens 128"); entry i writes its results to W/eval-i-FAMILY-BENCH
+#        block, then EAGLE-3 on both in fp32: no turn may differ from plain decoding there; FAMILY may join
+#        families with '+', e.g. "eagle3+dflash", to evaluate their drafts in one process against one plain
+#        decoding baseline, each into its own subdirectory), EVX (extra arguments for every eval, e.g.
+#        "--max-new-tokens 128"); entry i writes its results to W/eval-i-FAMILY-BENCH
 #
 # Each trained draft is also exported for vLLM in bf16 to W/export-<family> (eval reads it with --draft there).
 # Timestamps of each phase go to W/times.txt, each command's output to W/<phase>.log. Evals run one at a time on a
@@ -42,11 +44,14 @@ wait
 IFS='|' read -ra evals <<< "$EVALS"
 for i in "${!evals[@]}"; do
   IFS=':' read -r family bench args <<< "${evals[$i]}"
-  [ -f "$W/.trained-$family" ] || { t "eval-$i-skipped-no-$family-draft"; continue; }
+  drafts=""; missing=""
+  for f in ${family//+/ }; do drafts="$drafts --draft $W/$f"; [ -f "$W/.trained-$f" ] || missing="$missing-$f"; done
+  [ -z "$missing" ] || { t "eval-$i-skipped-no$missing-draft"; continue; }
   [ -f "$W/.eval-$i" ] && continue
-  $PY -m eyas eval --config "$CONFIG" ${XSET:-} --draft "$W/$family" --bench "$bench" --limit 0 --no-hf-baseline \
-    $args ${EVX:-} --out-dir "$W/eval-$i-$family-$bench" > "$W/eval-$i-$family-$bench.log" 2>&1; rc=$?
-  t "eval-$i-$family-$bench-rc$rc"; [ $rc = 0 ] && touch "$W/.eval-$i"
+  name="eval-$i-${family//+/-}-$bench"
+  $PY -m eyas eval --config "$CONFIG" ${XSET:-} $drafts --bench "$bench" --limit 0 --no-hf-baseline \
+    $args ${EVX:-} --out-dir "$W/$name" > "$W/$name.log" 2>&1; rc=$?
+  t "$name-rc$rc"; [ $rc = 0 ] && touch "$W/.eval-$i"
 done
 $PY bench/eval_table.py "$W"/eval-*/ | tee "$W/table.md"
 t ALL-DONE

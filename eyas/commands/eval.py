@@ -21,7 +21,10 @@ def add_arguments(p) -> None:
     p.add_argument("--config", default="demo", help="preset name or YAML file (default: demo)")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="override a config key")
     p.add_argument("--target", help="target spec (HF dir, hub id, .gguf, smollm2, tiny); default: the config's")
-    p.add_argument("--draft", required=True, help="a training run dir, a step dir or an export dir")
+    p.add_argument("--draft", required=True, action="append",
+                   help="a training run dir, a step dir or an export dir; repeat it to compare drafts of one target "
+                        "(needs --out-dir: each draft's results go to DIR/<its directory's name>/; one load of the "
+                        "target and one plain decoding baseline for all, and a table of them side by side at the end)")
     p.add_argument("--bench", action="append", metavar="mt-bench|mt-bench-1|humaneval|FILE.jsonl",
                    help="benchmark (repeatable): mt-bench (80 questions, both turns), mt-bench-1 (their 80 first "
                         "turns alone), humaneval (164); a JSONL holds one {id, prompt} or {id, conversations|messages} "
@@ -106,6 +109,16 @@ def main(args) -> int:
         settings = chain_settings([args.steps] if args.steps is not None else cfg.eval.steps)
     else:
         settings = _settings(args, cfg)
+    if len(args.draft) > 1:
+        if args.engine == "vllm":
+            raise EyasError("--engine vllm evaluates one draft per call (vLLM loads the target with the draft); "
+                            "give one --draft, or use --engine eyas to compare several")
+        if not args.out_dir:
+            raise EyasError(f"{len(args.draft)} drafts need --out-dir DIR: each draft's results go to "
+                            f"DIR/<its directory's name>/")
+        stage.draft_labels(args.draft)  # before the target is loaded
+        stage.run_drafts(cfg, args.draft, args.out_dir, settings=settings, require_compile=args.compile_draft)
+        return 0
     out = Path(args.out)
     if out.suffix != ".json" or out.name == stage.SUMMARY:
         raise EyasError(f"--out {out}: expected a path ending in .json (other than {stage.SUMMARY}, which eval keeps "
@@ -123,7 +136,7 @@ def main(args) -> int:
 
             stack.enter_context(exclusive(lock_file(out), str(out),
                                           fix="wait for it to finish, or choose another --out"))
-        stage.run(cfg, stage.Inputs(draft=args.draft), args.out_dir or out.parent, settings=settings,
+        stage.run(cfg, stage.Inputs(draft=args.draft[0]), args.out_dir or out.parent, settings=settings,
                   result_path=result_path, require_compile=args.compile_draft, own_out=bool(args.out_dir),
                   engine=args.engine, batch_size=args.batch_size)
     return 0

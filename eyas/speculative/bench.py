@@ -293,10 +293,13 @@ def warm_up(engine: SpecEngine, model, tokenizer, settings, eos, hf: bool,
 
 def bench_one(engine, target, bench: str, settings, temperature: float, max_new_tokens: int, limit: int,
               out_paths: dict, hf: bool = True, extra_settings: dict | None = None,
-              chat_template_kwargs: dict | None = None) -> dict:
+              chat_template_kwargs: dict | None = None, baselines: dict | None = None) -> dict:
     """Run every setting on one benchmark; write JSON and PNG per setting. -> {setting: summary}; each
     summary's `wall_s` covers that setting and the baseline contexts it added (Baselines).
-    `chat_template_kwargs` render the prompts as the data was prepared (data.chat_template_kwargs)."""
+    `chat_template_kwargs` render the prompts as the data was prepared (data.chat_template_kwargs).
+    `baselines`: a dict kept across calls for one benchmark (another draft's eval of it against the same target):
+    its Baselines, made on the first call, is reused, so a context already decoded plainly is not decoded again
+    and every draft is timed against the same plain runs; new contexts are decoded by this call's engine."""
     from eyas.data.template import stop_token_ids
 
     tok = target.tokenizer
@@ -304,8 +307,12 @@ def bench_one(engine, target, bench: str, settings, temperature: float, max_new_
     requests = load_bench(bench, limit)
     method = getattr(engine, "method", None) or "eagle3"
     warm_up(engine, target.model, tok, settings, eos, hf, chat_template_kwargs)
-    baselines, summaries = Baselines(engine, target.model, temperature, max_new_tokens, eos, hf=hf,
-                                     pad_id=tok.pad_token_id), {}
+    shared = {} if baselines is None else baselines
+    if "baselines" not in shared:
+        shared["baselines"] = Baselines(engine, target.model, temperature, max_new_tokens, eos, hf=hf,
+                                        pad_id=tok.pad_token_id)
+    baselines, summaries = shared["baselines"], {}
+    baselines.engine = engine  # plain decoding is the target's alone; the current engine runs what is new
     for name, setting in settings:
         started = time.perf_counter()
         depth = setting.get("steps") or setting["tree"][1]

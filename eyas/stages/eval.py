@@ -13,6 +13,11 @@ carries loading the target and the warm-up, and the entries sum to the processes
 While a setting runs, each finished request is appended to RESULT.requests.jsonl beside it: an eval that is
 killed keeps those, and the same call again decodes only the missing requests (the plain decoding baseline
 is run again in full). The file goes once RESULT.json is written.
+
+Several drafts against one target (`run_drafts`, `eyas eval --draft A --draft B --out-dir DIR`) share one load
+of the target and one plain decoding baseline: each context is decoded plainly once, by the first draft's
+engine that meets it, and every draft's speedup is over those same timings. Each draft's results go to
+DIR/<its directory's name>/, laid out as one draft's.
 """
 
 from __future__ import annotations
@@ -84,10 +89,15 @@ def _run_vllm(cfg, inputs: Inputs, out: str | Path, target, settings, result_pat
 
 def _run(cfg, inputs: Inputs, out: str | Path, target, settings, result_path, hf, require_compile,
          batch_size: int = 1) -> dict:
-    from eyas.speculative.bench import bench_name, block_settings, settings_of
-    from eyas.speculative.build import build_engine
-
     started = time.perf_counter()
+    settings, target = _prepare(cfg, settings, target)
+    return _run_draft(cfg, inputs.draft, out, target, settings, result_path, hf, require_compile, started)
+
+
+def _prepare(cfg, settings, target):
+    """-> (the settings to run, the loaded target), after eval.threads is applied."""
+    from eyas.speculative.bench import settings_of
+
     if cfg.eval.threads > 0:
         import torch
 
@@ -101,13 +111,21 @@ def _run(cfg, inputs: Inputs, out: str | Path, target, settings, result_path, hf
 
         target = load_target(cfg.target.model, device=cfg.target.device, dtype=cfg.target.dtype,
                              trust_remote_code=cfg.target.trust_remote_code)
-    engine, info = build_engine(target, inputs.draft, cfg.target.aux_layers, cuda_graphs=cfg.eval.cuda_graphs,
+    return settings, target
+
+
+def _run_draft(cfg, draft, out, target, settings, result_path, hf, require_compile, started: float,
+               baselines: dict | None = None) -> dict:
+    from eyas.speculative.bench import bench_name, block_settings
+    from eyas.speculative.build import build_engine
+
+    engine, info = build_engine(target, draft, cfg.target.aux_layers, cuda_graphs=cfg.eval.cuda_graphs,
                                 compile_draft=cfg.eval.compile_draft, require_compile=require_compile)
     method = info["method"]
     if method == "dflash":  # chains of at most block_size - 1 guesses, and that one itself
         settings = block_settings(settings, engine.draft.cfg.block_size)
         result_path = _distinct(result_path, [bench_name(b) for b in cfg.eval.benches], settings)
-    print0(f"target {target.name} ({target.device}, {target.dtype}) | {method} draft {inputs.draft}"
+    print0(f"target {target.name} ({target.device}, {target.dtype}) | {method} draft {draft}"
            f"{f' (block {engine.draft.cfg.block_size})' if method == 'dflash' else ''} | aux layers {info['aux']} | "
            f"{'CUDA graphs for greedy chains, trees and plain decoding' if engine.static else 'eager decoding'}"
            f"{f' (draft compiled, {engine.compile_draft})' if engine.compile_draft else ''} | "
@@ -117,7 +135,66 @@ def _run(cfg, inputs: Inputs, out: str | Path, target, settings, result_path, hf
         Path(out).mkdir(parents=True, exist_ok=True)
         result_path = lambda bench, name: Path(out) / eval_result_name(bench, name)  # noqa: E731
     hf = cfg.eval.hf_baseline if hf is None else hf
-    return run_benches(cfg, engine, target, info, settings, str(inputs.draft), result_path, started, hf=hf)
+    return run_benches(cfg, engine, target, info, settings, str(draft), result_path, started, hf=hf,
+                       baselines=baselines)
+
+
+def draft_labels(drafts: list) -> list[str]:
+    """Each draft's results directory under run_drafts' DIR: the name of the draft's own directory."""
+    labels = [Path(d).resolve().name for d in drafts]
+    for label in dict.fromkeys(labels):
+        same = [str(d) for d, x in zip(drafts, labels) if x == label]
+        if len(same) > 1:
+            raise EyasError(f"the drafts {', '.join(same)} share the directory name {label!r}, which names each "
+                            f"draft's results under --out-dir: pass each draft once, or copy one under another name")
+    return labels
+
+
+def run_drafts(cfg, drafts: list, out: str | Path, *, target=None, settings: list | None = None,
+               hf: bool | None = None, require_compile: bool = False) -> dict:
+    """Every draft in turn on every benchmark and setting, against one load of the target and one plain decoding
+    baseline: OUT/<label>/<bench>-<setting>.json|.png and OUT/<label>/summary.json per draft (draft_labels), OUT
+    claimed and locked for the stage. A DFlash draft runs the chains of `settings` that fit its block plus its
+    block's own (block_settings). -> {label: {bench: {setting: summary}}}."""
+    labels = draft_labels(drafts)
+    with writing(out, "eval") as out:
+        started = time.perf_counter()
+        settings, target = _prepare(cfg, settings, target)
+        baselines, results = {}, {}
+        for label, draft in zip(labels, drafts):
+            where = Path(out) / label
+            results[label] = _run_draft(cfg, draft, where, target, settings,
+                                        lambda bench, name, where=where: where / eval_result_name(bench, name),
+                                        hf, require_compile, started, baselines)
+            started = time.perf_counter()
+            _free_cuda(target)
+        print0(compare_table(results))
+    return results
+
+
+def _free_cuda(target) -> None:
+    """Give back the memory of a finished draft's engine (its weights and CUDA graphs) before the next is built."""
+    import gc
+
+    gc.collect()
+    if target.device.type == "cuda":
+        import torch
+
+        torch.cuda.empty_cache()
+
+
+def compare_table(results: dict) -> str:
+    """The drafts side by side: one row per benchmark, draft and setting (tau, speedup, plain decoding's rate)."""
+    lines = ["| benchmark | draft | method | setting | tau (pooled / per request) | speedup vs plain | plain tok/s |",
+             "|---|---|---|---|---|---|---|"]
+    benches = list(dict.fromkeys(b for per in results.values() for b in per))
+    for bench in benches:
+        for label, per in results.items():
+            for name, s in per.get(bench, {}).items():
+                lines.append(f"| {bench} | {label} | {s.get('method', 'eagle3')} | {name} | "
+                             f"{s['tau_pooled']:.2f} / {s['tau_per_request']:.2f} | {s['speedup_vs_plain']:.2f}x | "
+                             f"{s['plain_tokens_per_s']:.1f} |")
+    return "\n".join(lines)
 
 
 def _distinct(result_path, benches: list[str], settings) -> Callable[[str, str], Path] | None:
@@ -137,9 +214,10 @@ def _distinct(result_path, benches: list[str], settings) -> Callable[[str, str],
 
 
 def run_benches(cfg, engine, target, info: dict, settings, draft: str, result_path, started: float,
-                hf: bool) -> dict:
+                hf: bool, baselines: dict | None = None) -> dict:
     """Every benchmark of cfg.eval with every setting: RESULT.json + .png at `result_path(bench name,
-    setting)`, merged into summary.json beside them. -> {bench name: {setting: summary}}."""
+    setting)`, merged into summary.json beside them. -> {bench name: {setting: summary}}. `baselines`
+    ({bench: speculative.bench.Baselines}, filled here) carries plain decoding from one draft's run to the next."""
     from eyas.speculative.bench import bench_name, bench_one
 
     results = {}
@@ -155,7 +233,9 @@ def run_benches(cfg, engine, target, info: dict, settings, draft: str, result_pa
                                                                "cuda_graphs": engine.static,
                                                                "compile_draft": engine.compile_draft,
                                                                "draft_weights": info["meta"].get("weights_stamp")},
-                                               chat_template_kwargs=cfg.data.chat_template_kwargs)
+                                               chat_template_kwargs=cfg.data.chat_template_kwargs,
+                                               baselines=None if baselines is None else baselines.setdefault(
+                                                   bench_name(bench), {}))
         started = update_summary(bench, results[bench_name(bench)], paths, cfg, draft, started)
         print0(f"results: {', '.join(str(p[0]) for p in paths.values())}; "
                f"summary {next(iter(paths.values()))[0].parent / SUMMARY}")

@@ -319,3 +319,54 @@ def test_eval_prompts_take_the_data_template_variables():
     history = [{"role": "user", "content": "hi"}]
     plain, quiet = encode_turn(tok, history), encode_turn(tok, history, {"enable_thinking": False})
     assert tok.decode(quiet).endswith("quiet") and not tok.decode(plain).endswith("quiet")
+
+
+def test_several_drafts_share_the_target_and_the_plain_baseline(tmp_path, tiny_target, capsys, monkeypatch):
+    """`--draft A --draft B --out-dir DIR`: an EAGLE-3 and a DFlash draft of one target, each into DIR/<name>/, both
+    lossless; each context is decoded plainly once (by the first draft's engine), and both speedups are over those
+    same timings."""
+    from eyas.speculative.engine import SpecEngine
+    from test_dflash_decode import save_dflash_step
+
+    eagle = save_step_dir(tmp_path / "eagle3", tiny_target)
+    dflash = save_dflash_step(tmp_path / "dflash", tiny_target, block_size=4)
+    bench = tmp_path / "p.jsonl"
+    bench.write_text(json.dumps({"id": "a", "prompt": "hi"}) + "\n" + json.dumps({"id": "b", "prompt": "one two"}) + "\n")
+    calls = []
+    plain_generate = SpecEngine.plain_generate
+
+    def counted(self, ids, *args, **kwargs):
+        calls.append((type(self).__name__, tuple(ids)))
+        return plain_generate(self, ids, *args, **kwargs)
+
+    monkeypatch.setattr(SpecEngine, "plain_generate", counted)
+    out = tmp_path / "cmp"
+    assert main(["eval", "--config", "tiny", "--target", "tiny", "--draft", str(eagle), "--draft", str(dflash),
+                 "--bench", str(bench), "--steps", "2", "--max-new-tokens", "6", "--no-hf-baseline",
+                 "--out-dir", str(out)]) == 0
+    a = json.loads((out / "eagle3" / "p-chain-2.json").read_text())
+    b2, b3 = (json.loads((out / "dflash" / f"p-chain-{k}.json").read_text()) for k in (2, 3))  # 3: its block's
+    assert a["method"] == "eagle3" and b2["method"] == b3["method"] == "dflash"
+    for doc in (a, b2, b3):
+        assert doc["summary"]["plain_mismatches"] == 0 and doc["summary"]["num_requests"] == 2
+        assert doc["summary"]["plain_tokens_per_s"] == a["summary"]["plain_tokens_per_s"]  # the same plain runs
+    assert a["baseline"]["plain_contexts_decoded"] == 2
+    assert b2["baseline"]["plain_contexts_decoded"] == b3["baseline"]["plain_contexts_decoded"] == 0
+    contexts = {tuple(t["prompt_ids"]) for p in a["prompts"] for t in p["turns"]}
+    timed = [ids for _, ids in calls if ids in contexts]  # the warm-ups decode another prompt
+    assert sorted(timed) == sorted(contexts)  # once each, for both drafts
+    for d in ("eagle3", "dflash"):
+        assert (out / d / "summary.json").is_file()
+    table = capsys.readouterr().out
+    assert "| p | eagle3 | eagle3 | chain-2 |" in table and "| p | dflash | dflash | chain-3 |" in table
+
+    # refused before anything is loaded: two drafts into one name, no --out-dir, vLLM's engine
+    (tmp_path / "other").mkdir()
+    twin = save_step_dir(tmp_path / "other" / "eagle3", tiny_target)
+    for extra, says in ((["--draft", str(twin), "--out-dir", str(tmp_path / "x")], "share the directory name"),
+                        ([], "need --out-dir"),
+                        (["--out-dir", str(tmp_path / "y"), "--engine", "vllm"], "one draft per call")):
+        assert main(["eval", "--config", "tiny", "--target", "tiny", "--draft", str(eagle), "--draft", str(dflash),
+                     "--bench", str(bench), "--steps", "2", *extra]) == 2
+        assert says in capsys.readouterr().err
+    assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()
