@@ -1,4 +1,4 @@
-"""Run inside the speculators venv (see speculators_env.py): load an eyas export with speculators'
+"""Run where speculators imports (speculators_env.speculators_command): load an eyas export with speculators'
 own config and model classes and write its per-TTT-step draft logits for the given inputs.
 
 usage: python speculators_logits.py EXPORT_DIR INPUTS.safetensors OUTPUTS.safetensors [EXPORT_DIR IN OUT ...]

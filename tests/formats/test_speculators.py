@@ -2,8 +2,8 @@
 model classes, computes the same draft logits as eyas (fp32, three TTT steps).
 
 speculators cannot be installed into the project's environment (see speculators_env.py for why), so
-the comparison runs in a subprocess of a separate venv built once per machine (about 100 s the first
-time on 2 cores, cached under $EYAS_CACHE afterwards). Inputs and outputs cross as safetensors files.
+the comparison runs in a subprocess that can import it (an overlay over the project's python, else a separate
+venv; built once per machine and cached under $EYAS_CACHE). Inputs and outputs cross as safetensors files.
 """
 
 import subprocess
@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from eyas.formats import export, load_draft
-from speculators_env import speculators_python
+from speculators_env import speculators_command
 from test_export import sample_inputs, ttt_logits
 
 SCRIPT = Path(__file__).with_name("speculators_logits.py")
@@ -37,8 +37,8 @@ def test_speculators_loads_export_with_same_logits(make_run, tiny_target, tmp_pa
     # the exports carry no embedding: speculators reads it from the verifier dir (the tiny target), as eyas
     # takes the target's; one subprocess for both, since importing speculators is most of the cost
     args = [str(a) for _, out, _, io in cases.values() for a in (out, *io)]
-    proc = subprocess.run([str(speculators_python()), str(SCRIPT), *args], capture_output=True, text=True,
-                          timeout=300)
+    python, env = speculators_command()
+    proc = subprocess.run([*python, str(SCRIPT), *args], capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
 
     for name, (draft, out, inputs, io) in cases.items():
