@@ -217,7 +217,8 @@ def run_benches(cfg, engine, target, info: dict, settings, draft: str, result_pa
                 hf: bool, baselines: dict | None = None) -> dict:
     """Every benchmark of cfg.eval with every setting: RESULT.json + .png at `result_path(bench name,
     setting)`, merged into summary.json beside them. -> {bench name: {setting: summary}}. `baselines`
-    ({bench: speculative.bench.Baselines}, filled here) carries plain decoding from one draft's run to the next."""
+    ({bench name: the dict bench_one keeps its Baselines in}, filled here) carries plain decoding from one draft's
+    run to the next."""
     from eyas.speculative.bench import bench_name, bench_one
 
     results = {}
