@@ -39,6 +39,29 @@ LONGEST = ["speculative/test_lossless_trained.py", "vllm/test_run_engine.py", "p
            "vllm/test_eval_vllm.py", "target/test_load.py", "vllm/test_capture_deepseek_v3.py"]
 
 
+# files that share a session's vLLM engine (tests/vllm/conftest.py): `make test` hands each set to one worker, where
+# the engine starts once (a start costs 20-60 s of the two cores); apart, each worker would start its own
+SHARE_A_WORKER = [("vllm/test_capture_smollm2.py", "vllm/test_engine_service.py"),  # smollm2_features
+                  ("vllm/test_eval_vllm.py", "vllm/test_exports_vllm.py"),  # tiny_llama_plain, tiny_llama_eagle3
+                  ("vllm/test_capture_store.py", "vllm/test_capture_tiny_llama.py")]  # tiny_llama_features
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """--dist loadfile, with the files of each SHARE_A_WORKER set as one unit of work."""
+    if config.getoption("dist", None) != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    unit = {f"tests/{name}": f"tests/{names[0]}" for names in SHARE_A_WORKER for name in names}
+
+    class SharedEngines(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            scope = super()._split_scope(nodeid)
+            return unit.get(scope, scope)
+
+    return SharedEngines(config, log)
+
+
 def _rank(path: str) -> int:
     path = path.replace(os.sep, "/")
     return next((i for i, name in enumerate(LONGEST) if path.endswith("tests/" + name)), len(LONGEST))
