@@ -116,7 +116,6 @@ def main(args) -> int:
         if not args.out_dir:
             raise EyasError(f"{len(args.draft)} drafts need --out-dir DIR: each draft's results go to "
                             f"DIR/<its directory's name>/")
-        stage.draft_labels(args.draft)  # before the target is loaded
         stage.run_drafts(cfg, args.draft, args.out_dir, settings=settings, require_compile=args.compile_draft)
         return 0
     out = Path(args.out)

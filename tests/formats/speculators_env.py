@@ -8,7 +8,7 @@ replace our torch or transformers. Two ways, the first where it works:
    put on PYTHONPATH of a subprocess of the project's own python, which then loads speculators over the project's
    exact torch and transformers. Nothing in the project's environment changes. It works where that environment
    already holds speculators' other dependencies (pydantic, loguru, openai, ...: vLLM brings them, and `make test`
-   installs vLLM's CPU build); about 1 s to build against 80 s for a venv on 2 cores.
+   installs vLLM's CPU build); about 8 s to install and check, against 80 s for a venv on 2 cores.
 2. Otherwise a separate venv, with the project's exact torch and transformers versions and speculators' own
    dependencies resolved there. Seen on CPU: speculators 0.9.0 installs beside torch 2.13.0 and transformers 5.19
    and imports once torchvision and torchaudio (which it pulls from PyPI and which do not load beside the CPU torch
@@ -59,14 +59,14 @@ def overlay_dir() -> Path:
     return cache_dir() / "speculators-overlay" / _key()
 
 
-def speculators_command(timeout_s: float = 1800) -> tuple[list[str], dict]:
+def speculators_command(timeout_s: float = 1800) -> tuple[str, dict]:
     """-> (the python to run a script with, its environment) where `import speculators` works: the overlay over
     the project's python where the project holds speculators' dependencies, else the separate venv."""
     overlay = _overlay(timeout_s)
     if overlay is not None:
-        return [sys.executable], {**os.environ, "PYTHONPATH": os.pathsep.join(
+        return sys.executable, {**os.environ, "PYTHONPATH": os.pathsep.join(
             [str(overlay), *filter(None, [os.environ.get("PYTHONPATH")])])}
-    return [str(speculators_python(timeout_s))], dict(os.environ)
+    return str(speculators_python(timeout_s)), dict(os.environ)
 
 
 def _overlay(timeout_s: float) -> Path | None:

@@ -38,7 +38,7 @@ def test_speculators_loads_export_with_same_logits(make_run, tiny_target, tmp_pa
     # takes the target's; one subprocess for both, since importing speculators is most of the cost
     args = [str(a) for _, out, _, io in cases.values() for a in (out, *io)]
     python, env = speculators_command()
-    proc = subprocess.run([*python, str(SCRIPT), *args], capture_output=True, text=True, timeout=300, env=env)
+    proc = subprocess.run([python, str(SCRIPT), *args], capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
 
     for name, (draft, out, inputs, io) in cases.items():
